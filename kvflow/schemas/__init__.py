@@ -1,0 +1,46 @@
+"""The contract of every Kafka topic and HTTP body in kvflow.
+
+Nothing outside this package defines a record's shape. Every record is a
+frozen pydantic model with a ``schema_version``; :func:`encode` and
+:func:`decode` are the only wire (de)serializers.
+"""
+
+from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
+from kvflow.schemas.dead_letter import DeadLetter
+from kvflow.schemas.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvDumpRequest,
+    KvEvent,
+    KvEventBatch,
+    KvTier,
+)
+from kvflow.schemas.metrics import MetricRecord, RequestMetrics, WorkerMetrics
+from kvflow.schemas.requests import (
+    ChatMessage,
+    InferenceRequest,
+    ReplyTo,
+    RequestKind,
+    RoutingDecision,
+    SamplingParams,
+)
+from kvflow.schemas.responses import (
+    ErrorInfo,
+    FinalResponse,
+    FinishReason,
+    ResponseEvent,
+    Timings,
+    TokenDelta,
+    Usage,
+)
+from kvflow.schemas.scaling import ScalingCommand
+from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
+
+__all__ = [
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "ChatMessage", "DeadLetter", "ErrorInfo",
+    "FinalResponse", "FinishReason", "InferenceRequest", "KvDumpRequest", "KvEvent", "KvEventBatch",
+    "KvTier", "MetricRecord", "Record", "RecordError", "ReplyTo", "RequestKind", "RequestMetrics",
+    "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
+    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "decode", "encode", "now_ms",
+]

@@ -1,0 +1,270 @@
+"""OpenAI-compatible HTTP bodies served by the bridge.
+
+Fields follow the OpenAI Chat Completions and Completions API references;
+unknown request fields are ignored (clients send many optional ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+
+__all__ = [
+    "StreamOptions",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "PromptTokensDetails",
+    "UsageBody",
+    "KvflowInfo",
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "CompletionChoice",
+    "CompletionResponse",
+    "ModelCard",
+    "ModelList",
+]
+
+
+class StreamOptions(BaseModel):
+    """``include_usage``: send a last chunk with ``usage`` and no choices."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message content as plain text (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class _SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    user: str | None = None
+    priority: int = 0
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return stops
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """POST /v1/chat/completions body (text messages only).
+
+    ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
+    """
+
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_SamplingBody):
+    """POST /v1/completions body (one prompt string)."""
+
+    prompt: str | list[int]
+    echo: bool = False
+
+
+class ErrorBody(BaseModel):
+    """OpenAI error object: ``message``, ``type``, ``param``, ``code``."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx answer: ``{"error": {...}}``."""
+
+    error: ErrorBody
+
+
+# ---------------------------------------------------------------------------
+# Response bodies (non-streaming objects and SSE chunks).
+# ---------------------------------------------------------------------------
+
+
+class _OmitNone(BaseModel):
+    """Serializes without the fields named in ``_omit_if_none`` when they are None.
+
+    OpenAI objects keep ``finish_reason: null`` but leave out absent optional
+    members (``usage`` on most chunks, ``role`` on later deltas), so a plain
+    ``exclude_none`` would be wrong in one direction or the other.
+    """
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from the engine's prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageBody(BaseModel):
+    """OpenAI ``usage``: token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class KvflowInfo(_OmitNone):
+    """Extension field ``kvflow`` on final objects/chunks: the routing decision.
+
+    ``overlap_blocks`` is how many prompt KV blocks the chosen worker already
+    held when routed; ``cost`` is the policy's score of it (lower is better).
+    """
+
+    _omit_if_none = ("prefill_worker_id",)
+    worker_id: str
+    policy: str = ""
+    overlap_blocks: int = 0
+    cost: float = 0.0
+    router_id: str = ""
+    prefill_worker_id: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a non-streaming chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a ``chat.completion`` (kvflow serves exactly one)."""
+
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(_OmitNone):
+    """Non-streaming answer of POST /v1/chat/completions."""
+
+    _omit_if_none = ("kvflow",)
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    kvflow: KvflowInfo | None = None
+
+
+class ChatDelta(_OmitNone):
+    """The new part of the message in one chunk (``role`` only on the first)."""
+
+    _omit_if_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a ``chat.completion.chunk``."""
+
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_OmitNone):
+    """One SSE event of a streamed chat completion. ``choices`` is empty on
+    the usage chunk (``stream_options.include_usage``)."""
+
+    _omit_if_none = ("usage", "kvflow")
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageBody | None = None
+    kvflow: KvflowInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a ``text_completion`` object or chunk."""
+
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(_OmitNone):
+    """Non-streaming answer of POST /v1/completions; also the shape of each
+    streamed chunk (OpenAI uses ``text_completion`` for both)."""
+
+    _omit_if_none = ("usage", "kvflow")
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageBody | None = None
+    kvflow: KvflowInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models. ``created`` is epoch seconds (first seen)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvflow"
+
+
+class ModelList(BaseModel):
+    """GET /v1/models body."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,116 @@
+"""Records on the requests topic and the worker queue topics."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvflow.schemas.base import Record
+
+__all__ = [
+    "ChatMessage",
+    "SamplingParams",
+    "ReplyTo",
+    "RoutingDecision",
+    "RequestKind",
+    "InferenceRequest",
+]
+
+
+class ChatMessage(BaseModel):
+    """One chat turn. ``content`` is plain text."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings, OpenAI semantics.
+
+    ``temperature`` 0 means greedy. ``max_tokens`` counts output tokens (OSL
+    cap). ``seed`` makes sampling reproducible per request.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+
+
+class ReplyTo(BaseModel):
+    """Where a worker sends a request's responses: a topic and a partition.
+
+    Each consumer of responses (a bridge, a Kafka-native client) owns one
+    partition of the responses topic, so no consumer group is needed.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    topic: str
+    partition: int = Field(ge=0)
+
+
+class RoutingDecision(BaseModel):
+    """What the router decided for a request, echoed back on the response.
+
+    ``overlap_blocks`` is the number of prompt blocks the chosen worker
+    already held (0 for policies that do not look at the KV index);
+    ``cost`` is the policy's score of the chosen worker (lower is better).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    worker_id: str
+    policy: str
+    overlap_blocks: int = 0
+    cost: float = 0.0
+    router_id: str = ""
+    decided_ms: int = 0
+    prefill_worker_id: str | None = None
+
+
+class RequestKind(str, Enum):
+    """Which OpenAI endpoint shape the request came from."""
+
+    chat = "chat"
+    completion = "completion"
+
+
+class InferenceRequest(Record):
+    """An inference request: the record on the requests topic and worker queues.
+
+    Exactly one of ``messages`` (chat), ``prompt`` (text completion) or
+    ``token_ids`` must carry the input; ``token_ids`` may be present alongside
+    either when the producer already tokenized (KV-aware routing needs them).
+
+    Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
+    caller stops waiting; workers drop requests already past it. Higher
+    ``priority`` is served first where a queue orders by it.
+    """
+
+    request_id: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1)
+    kind: RequestKind = RequestKind.chat
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    reply_to: ReplyTo
+    created_ms: int = 0
+    deadline_ms: int | None = None
+    priority: int = 0
+    lora_name: str | None = None
+    routing: RoutingDecision | None = None
+    disaggregated_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_input(self) -> "InferenceRequest":
+        if self.messages is None and self.prompt is None and self.token_ids is None:
+            raise ValueError("one of messages, prompt or token_ids is required")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("messages must not be empty")
+        return self

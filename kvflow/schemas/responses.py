@@ -1,0 +1,89 @@
+"""Records on the responses topic: streamed token deltas and the final response."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvflow.schemas.base import Record
+from kvflow.schemas.requests import RoutingDecision
+
+__all__ = ["FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse", "ResponseEvent"]
+
+
+class FinishReason(str, Enum):
+    """Why generation stopped (OpenAI names, plus ``error`` and ``abort``)."""
+
+    stop = "stop"
+    length = "length"
+    abort = "abort"
+    error = "error"
+
+
+class Usage(BaseModel):
+    """Token counts. ``cached_tokens`` is the engine's real prefix-cache hit."""
+
+    model_config = ConfigDict(frozen=True)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(BaseModel):
+    """Worker-side timestamps (epoch ms) of one request's life on a worker."""
+
+    model_config = ConfigDict(frozen=True)
+    queued_ms: int = 0
+    started_ms: int = 0
+    first_token_ms: int = 0
+    finished_ms: int = 0
+
+
+class ErrorInfo(BaseModel):
+    """A failed request: OpenAI-style ``type``/``code`` and a message."""
+
+    model_config = ConfigDict(frozen=True)
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    status: int = 500
+
+
+class TokenDelta(Record):
+    """New output tokens of one request, in order (``index`` counts deltas from 0)."""
+
+    type: Literal["delta"] = "delta"
+    request_id: str
+    index: int = Field(ge=0)
+    token_ids: list[int]
+    text: str = ""
+    worker_id: str = ""
+
+
+class FinalResponse(Record):
+    """The last record of a request: full text, usage, timings and routing.
+
+    ``error`` is set (and ``finish_reason`` is ``error``) when the request failed.
+    """
+
+    type: Literal["final"] = "final"
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    worker_id: str = ""
+    routing: RoutingDecision | None = None
+    error: ErrorInfo | None = None
+
+
+ResponseEvent = Annotated[Union[TokenDelta, FinalResponse], Field(discriminator="type")]
+"""Either record type on the responses topic, told apart by ``type``."""

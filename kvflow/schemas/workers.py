@@ -1,0 +1,63 @@
+"""Records on the workers topic: registration, heartbeat, drain and exit."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from kvflow.schemas.base import Record
+
+__all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat"]
+
+
+class WorkerRole(str, Enum):
+    """What a worker does: both phases, prefill only, or decode only."""
+
+    aggregated = "aggregated"
+    prefill = "prefill"
+    decode = "decode"
+
+
+class WorkerStatus(str, Enum):
+    """Lifecycle of a worker as the routing table sees it.
+
+    ``serving`` takes new work; ``draining`` finishes in-flight work and takes
+    none; ``stopped`` is the last record a worker writes.
+    """
+
+    serving = "serving"
+    draining = "draining"
+    stopped = "stopped"
+
+
+class WorkerHeartbeat(Record):
+    """A worker's registration and periodic heartbeat (same record).
+
+    ``queue_topic``/``queue_partition`` is where the router sends this
+    worker's requests. ``kv_total_blocks``/``kv_used_blocks`` count KV blocks
+    of ``block_size`` tokens. A worker missing heartbeats for ``ttl_ms`` is
+    expired from the routing table. ``ts_ms`` is epoch ms.
+    """
+
+    worker_id: str = Field(min_length=1)
+    role: WorkerRole = WorkerRole.aggregated
+    status: WorkerStatus = WorkerStatus.serving
+    model: str
+    engine: str
+    tokenizer: str = "bytes"
+    """Tokenizer spec (``bytes`` or a model name/path for
+    :func:`kvflow.workers.tokenizer.load_tokenizer`) that producers use to
+    pre-tokenize this worker's requests."""
+    block_size: int = Field(ge=1)
+    kv_total_blocks: int = Field(ge=0)
+    kv_used_blocks: int = Field(ge=0, default=0)
+    queue_topic: str
+    queue_partition: int = Field(ge=0)
+    active_requests: int = 0
+    waiting_requests: int = 0
+    active_prefill_tokens: int = 0
+    ts_ms: int
+    ttl_ms: int = 5000
+    started_ms: int = 0
+    host: str = ""

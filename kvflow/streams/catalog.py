@@ -1,0 +1,168 @@
+"""The topic catalog: every Kafka topic kvflow uses, in one place.
+
+Topic names never appear as string literals elsewhere: code asks a
+:class:`Catalog` (built for a namespace) for its topics. Partition counts are
+fixed at creation; scaling never needs new partitions (the embedded broker
+cannot add them): worker queues have one partition per worker *slot* and a
+worker consumes exactly its slot, responses have one partition per consumer
+slot (a bridge or a Kafka-native client).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.schemas import (
+    DeadLetter,
+    InferenceRequest,
+    KvDumpRequest,
+    KvEventBatch,
+    MetricRecord,
+    ResponseEvent,
+    ScalingCommand,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+
+__all__ = ["TopicSpec", "Catalog", "QUEUE_SLOTS", "RESPONSE_SLOTS"]
+
+QUEUE_SLOTS = 64
+"""Partitions per worker-queue topic = most workers per pool."""
+
+RESPONSE_SLOTS = 32
+"""Partitions of the responses topic = most concurrent response consumers."""
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic: its name, shape and who uses it.
+
+    ``key`` names the record field used as the Kafka key; ``value_schema`` is
+    the pydantic model (or discriminated union) of every value.
+    """
+
+    name: str
+    partitions: int
+    key: str
+    value_schema: Any
+    cleanup_policy: str = "delete"
+    retention_ms: int = 24 * 3600 * 1000
+    producers: tuple[str, ...] = ()
+    consumers: tuple[str, ...] = ()
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """All topics of one kvflow deployment, names prefixed by ``namespace``."""
+
+    namespace: str = "kvflow"
+    topics: dict[str, TopicSpec] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ns = self.namespace
+
+        def spec(short: str, **kw: Any) -> TopicSpec:
+            return TopicSpec(name=f"{ns}.{short}", **kw)
+
+        topics = {
+            "requests": spec(
+                "requests", partitions=8, key="request_id", value_schema=InferenceRequest,
+                producers=("bridge", "client", "replay"), consumers=("router",),
+                description="inference requests, before routing",
+            ),
+            "responses": spec(
+                "responses", partitions=RESPONSE_SLOTS, key="request_id", value_schema=ResponseEvent,
+                producers=("worker",), consumers=("bridge", "client"),
+                description="token deltas and final responses; partition = reply_to slot",
+            ),
+            "workers": spec(
+                "workers", partitions=4, key="worker_id", value_schema=WorkerHeartbeat,
+                cleanup_policy="compact", producers=("worker",), consumers=("router", "bridge", "cli"),
+                description="worker registration, heartbeat, drain and stop",
+            ),
+            "kv_events": spec(
+                "kv-events", partitions=8, key="worker_id", value_schema=KvEventBatch,
+                producers=("worker",), consumers=("router",),
+                description="KV cache stored/removed/cleared events",
+            ),
+            "kv_dump_requests": spec(
+                "kv-dump-requests", partitions=1, key="worker_id", value_schema=KvDumpRequest,
+                producers=("router",), consumers=("worker",),
+                description="asks a worker to republish its whole KV cache (resync after a gap)",
+            ),
+            "metrics": spec(
+                "metrics", partitions=4, key="worker_id", value_schema=MetricRecord,
+                producers=("bridge", "worker"), consumers=("planner-sink",),
+                description="per-request and per-worker metrics",
+            ),
+            "scaling": spec(
+                "scaling", partitions=1, key="pool", value_schema=ScalingCommand,
+                producers=("planner",), consumers=("connector",),
+                description="replica targets per worker pool",
+            ),
+            "dead_letter": spec(
+                "dead-letter", partitions=1, key="source_topic", value_schema=DeadLetter,
+                retention_ms=7 * 24 * 3600 * 1000, producers=("*",), consumers=("operator",),
+                description="records that failed to decode or process",
+            ),
+        }
+        for role in WorkerRole:
+            topics[f"queue.{role.value}"] = spec(
+                f"queue.{role.value}", partitions=QUEUE_SLOTS, key="request_id", value_schema=InferenceRequest,
+                producers=("router",), consumers=(f"{role.value}-worker",),
+                description=f"routed requests for {role.value} workers; partition = worker slot",
+            )
+        object.__setattr__(self, "topics", topics)
+
+    def __getitem__(self, key: str) -> TopicSpec:
+        return self.topics[key]
+
+    @property
+    def requests(self) -> TopicSpec:
+        """Unrouted inference requests."""
+        return self.topics["requests"]
+
+    @property
+    def responses(self) -> TopicSpec:
+        """Token deltas and final responses."""
+        return self.topics["responses"]
+
+    @property
+    def workers(self) -> TopicSpec:
+        """Worker heartbeats."""
+        return self.topics["workers"]
+
+    @property
+    def kv_events(self) -> TopicSpec:
+        """KV cache events."""
+        return self.topics["kv_events"]
+
+    @property
+    def kv_dump_requests(self) -> TopicSpec:
+        """KV resync requests."""
+        return self.topics["kv_dump_requests"]
+
+    @property
+    def metrics(self) -> TopicSpec:
+        """Metric records."""
+        return self.topics["metrics"]
+
+    @property
+    def scaling(self) -> TopicSpec:
+        """Scaling commands."""
+        return self.topics["scaling"]
+
+    @property
+    def dead_letter(self) -> TopicSpec:
+        """Dead letters."""
+        return self.topics["dead_letter"]
+
+    def queue(self, role: WorkerRole | str) -> TopicSpec:
+        """The queue topic of a worker pool."""
+        return self.topics[f"queue.{WorkerRole(role).value}"]
+
+    def all(self) -> list[TopicSpec]:
+        """Every topic, in a stable order."""
+        return list(self.topics.values())

@@ -1,0 +1,167 @@
+"""The Kafka-native client: put requests on the requests topic, read responses.
+
+No HTTP involved. The client owns one partition ("slot") of the responses
+topic, which it names as ``reply_to`` on every request it sends; workers
+write that request's token deltas and final response there.
+
+Example::
+
+    async with KvflowClient(Settings(bootstrap_servers="127.0.0.1:9092")) as c:
+        req = c.new_request("SmolLM2-135M-Instruct", messages=[ChatMessage(role="user", content="Hi")])
+        final = await c.complete(req)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from kvflow.schemas import (
+    ChatMessage,
+    FinalResponse,
+    InferenceRequest,
+    RecordError,
+    ReplyTo,
+    ResponseEvent,
+    SamplingParams,
+    TokenDelta,
+    decode,
+    encode,
+    now_ms,
+)
+from kvflow.settings import Settings
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.kafka import make_consumer, make_producer
+
+__all__ = ["KvflowClient", "RequestTimeout"]
+
+log = logging.getLogger(__name__)
+
+
+class RequestTimeout(TimeoutError):
+    """No final response arrived within the client's timeout."""
+
+
+class KvflowClient:
+    """Produce :class:`InferenceRequest` records and iterate their responses.
+
+    ``slot`` is the responses partition this client reads (random if not
+    given). Two clients sharing a slot still work (each ignores the other's
+    request ids) but read each other's traffic.
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog | None = None, slot: int | None = None,
+                 timeout_s: float | None = None) -> None:
+        self.settings = settings
+        self.catalog = catalog or Catalog(settings.namespace)
+        self.slot = random.randrange(self.catalog.responses.partitions) if slot is None else slot
+        self.timeout_s = timeout_s or settings.request_timeout_s
+        self._producer = make_producer(settings)
+        self._consumer = make_consumer(settings)
+        self._pending: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        """Where this client's responses arrive."""
+        return ReplyTo(topic=self.catalog.responses.name, partition=self.slot)
+
+    async def start(self) -> None:
+        """Connect; responses are read from the current end of the slot on."""
+        await self._producer.start()
+        await self._consumer.start()
+        tp = TopicPartition(self.catalog.responses.name, self.slot)
+        self._consumer.assign([tp])
+        await self._consumer.seek_to_end(tp)
+        await self._consumer.position(tp)
+        self._reader = asyncio.create_task(self._read_responses(), name="kvflow-client-reader")
+
+    async def stop(self) -> None:
+        """Stop reading; pending streams end with :class:`RequestTimeout`."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._consumer.stop()
+        await self._producer.stop()
+
+    async def __aenter__(self) -> "KvflowClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _read_responses(self) -> None:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for msg in records:
+                    queue = self._pending.get(msg.key.decode() if msg.key else "")
+                    if queue is None:
+                        continue
+                    try:
+                        queue.put_nowait(decode(ResponseEvent, msg.value))
+                    except RecordError as exc:
+                        log.warning("undecodable response at offset %d: %s", msg.offset, exc)
+
+    def new_request(
+        self,
+        model: str,
+        *,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> InferenceRequest:
+        """Build a request addressed back to this client (``reply_to`` filled in)."""
+        return InferenceRequest(
+            request_id=request_id or f"req-{uuid.uuid4().hex}",
+            model=model, messages=messages, prompt=prompt, token_ids=token_ids,
+            sampling=sampling or SamplingParams(), reply_to=self.reply_to, created_ms=now_ms(), **fields,
+        )
+
+    async def submit(self, request: InferenceRequest) -> None:
+        """Produce ``request`` to the requests topic without waiting for responses."""
+        await self._producer.send_and_wait(self.catalog.requests.name, encode(request), key=request.request_id.encode())
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[TokenDelta | FinalResponse]:
+        """Send ``request`` and yield its :class:`TokenDelta` records, then its
+        :class:`FinalResponse`.
+
+        Raises:
+            RequestTimeout: nothing arrived for ``timeout_s``.
+            ValueError: ``request.reply_to`` is not this client's slot.
+        """
+        if request.reply_to != self.reply_to:
+            raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[request.request_id] = queue
+        try:
+            await self.submit(request)
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"no response to {request.request_id} within {self.timeout_s} s") from None
+                yield event
+                if isinstance(event, FinalResponse):
+                    return
+        finally:
+            self._pending.pop(request.request_id, None)
+
+    async def complete(self, request: InferenceRequest) -> FinalResponse:
+        """Send ``request`` and return its final response (deltas are skipped)."""
+        async for event in self.stream(request):
+            if isinstance(event, FinalResponse):
+                return event
+        raise RequestTimeout(request.request_id)  # pragma: no cover - stream always ends with a final

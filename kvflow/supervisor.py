@@ -1,0 +1,175 @@
+"""``kvflow up``: run a whole kvflow deployment on one machine.
+
+Starts, in order: the embedded broker (unless ``bootstrap_servers`` points at
+a real cluster), the topic catalog, the router (Faust app, in this process),
+N worker processes (children, one per queue slot) and the HTTP bridge (in
+this process). Stops them in reverse order. Worker children are started in
+this process's session and are killed with it: Ctrl-C leaves no orphans.
+
+The :class:`Supervisor` also executes scaling commands for the ``local``
+connector: :meth:`Supervisor.scale` starts workers or drains them (SIGTERM,
+which the worker handles by draining: no request is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from kvflow.schemas import WorkerRole
+from kvflow.settings import Settings
+from kvflow.streams.broker import EmbeddedBroker
+from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
+from kvflow.streams.kafka import create_topics
+
+__all__ = ["WorkerSpec", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """How to start workers: engine name, model spec and extra CLI args."""
+
+    engine: str = "mocker"
+    model: str = "SmolLM2-135M-Instruct"
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Child:
+    worker_id: str
+    role: WorkerRole
+    slot: int
+    process: asyncio.subprocess.Process
+
+
+class Supervisor:
+    """Owns the broker, router, bridge and worker processes of one deployment."""
+
+    def __init__(self, settings: Settings, spec: WorkerSpec, *, host: str = "127.0.0.1", port: int = 8000,
+                 bridge: bool = True) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.host, self.port, self.with_bridge = host, port, bridge
+        self.broker: EmbeddedBroker | None = None
+        self.catalog = Catalog(settings.namespace)
+        self.children: dict[str, _Child] = {}
+        self.router = None
+        self._uvicorn = None
+        self._bridge_task: asyncio.Task | None = None
+        self._counter = 0
+
+    async def start(self) -> None:
+        """Start broker (if embedded), topics, router and bridge (no workers yet)."""
+        if not self.settings.bootstrap_servers:
+            self.broker = EmbeddedBroker()
+            await self.broker.start()
+            self.settings = self.settings.model_copy(
+                update={"bootstrap_servers": self.broker.bootstrap_servers, "embedded_broker": True})
+        await create_topics(self.settings, self.catalog)
+        from kvflow.router.app import build_router_app
+
+        self.router = build_router_app(self.settings, self.catalog)
+        await self.router.app.start()
+        if self.with_bridge:
+            import uvicorn
+
+            from kvflow.streams.bridge.app import build_app
+
+            config = uvicorn.Config(build_app(self.settings, self.catalog), host=self.host, port=self.port,
+                                    log_level="warning", lifespan="on")
+            self._uvicorn = uvicorn.Server(config)
+            self._uvicorn.install_signal_handlers = lambda: None  # the supervisor owns signals
+            self._bridge_task = asyncio.create_task(self._uvicorn.serve(), name="bridge")
+            while not self._uvicorn.started:
+                if self._bridge_task.done():
+                    self._bridge_task.result()
+                await asyncio.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        """The bridge's base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    def _free_slot(self, role: WorkerRole) -> int:
+        used = {c.slot for c in self.children.values() if c.role == role}
+        for slot in range(QUEUE_SLOTS):
+            if slot not in used:
+                return slot
+        raise RuntimeError(f"all {QUEUE_SLOTS} {role.value} slots are in use")
+
+    async def start_worker(self, role: WorkerRole = WorkerRole.aggregated) -> str:
+        """Spawn one worker process; returns its worker id."""
+        slot = self._free_slot(role)
+        self._counter += 1
+        worker_id = f"{role.value[:3]}-{slot}-{os.getpid()}-{self._counter}"
+        args = [
+            sys.executable, "-m", "kvflow", "worker", "--engine", self.spec.engine, "--model", self.spec.model,
+            "--role", role.value, "--slot", str(slot), "--worker-id", worker_id,
+            "--bootstrap-servers", str(self.settings.bootstrap_servers), "--namespace", self.settings.namespace,
+            *(["--embedded-broker"] if self.settings.embedded_broker else []), *self.spec.extra_args,
+        ]
+        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL)
+        self.children[worker_id] = _Child(worker_id, role, slot, proc)
+        log.info("started worker %s (pid %d, slot %d)", worker_id, proc.pid, slot)
+        return worker_id
+
+    async def stop_worker(self, worker_id: str, timeout_s: float = 90.0) -> None:
+        """Drain one worker (SIGTERM → it finishes in-flight work) and reap it."""
+        child = self.children.pop(worker_id, None)
+        if child is None or child.process.returncode is not None:
+            return
+        child.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(child.process.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            child.process.kill()
+            await child.process.wait()
+
+    def replicas(self, role: WorkerRole = WorkerRole.aggregated) -> int:
+        """Running worker processes of ``role``."""
+        return sum(1 for c in self.children.values() if c.role == role and c.process.returncode is None)
+
+    async def scale(self, role: WorkerRole, target: int) -> None:
+        """Start or drain workers of ``role`` until ``target`` run (newest drained first)."""
+        while self.replicas(role) < target:
+            await self.start_worker(role)
+        excess = self.replicas(role) - target
+        if excess > 0:
+            victims = [c.worker_id for c in self.children.values() if c.role == role][-excess:]
+            await asyncio.gather(*(self.stop_worker(w) for w in victims))
+
+    async def wait_workers_ready(self, count: int, timeout_s: float = 300.0) -> None:
+        """Wait until ``count`` workers appear in the router's table.
+
+        Raises:
+            TimeoutError: they did not register in time.
+            RuntimeError: a worker process exited during start-up.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while len(self.router.table.workers) < count:
+            for child in self.children.values():
+                if child.process.returncode is not None:
+                    raise RuntimeError(f"worker {child.worker_id} exited with code {child.process.returncode}")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"only {len(self.router.table.workers)}/{count} workers registered")
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        """Stop everything: bridge, workers (drained), router, broker."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._bridge_task, 10)
+        await asyncio.gather(*(self.stop_worker(w, timeout_s=30) for w in list(self.children)))
+        if self.router is not None:
+            with contextlib.suppress(Exception):
+                await self.router.app.stop()
+        if self.broker is not None:
+            await self.broker.stop()

@@ -1,0 +1,122 @@
+"""The engine interface: what a worker process needs from an inference engine.
+
+Engines know nothing of Kafka. A worker hands an engine a
+:class:`GenerateRequest` and iterates :class:`EngineOutput` items; the engine
+reports cache changes through the ``kv_event_sink`` callback and its load
+through :meth:`Engine.kv_stats`. Implementations: ``mocker`` (timing model, no
+weights), ``hf`` (transformers + torch), ``vllm`` (vLLM's async engine).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from kvflow.schemas import FinishReason, KvEvent, SamplingParams
+
+__all__ = ["GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request (bad input for this model, OOM, ...)."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as an engine sees it: prompt token ids and sampling settings.
+
+    ``prompt_token_ids`` has shape [ISL]. ``lora_name`` salts block hashes.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    lora_name: str | None = None
+
+
+@dataclass
+class EngineOutput:
+    """Tokens produced by one engine step for one request.
+
+    ``token_ids`` are the new tokens (usually one); ``finish_reason`` is set on
+    the request's last output. ``num_cached_tokens`` is the prompt prefix the
+    engine found in its cache (reported on the first output, 0 elsewhere).
+    """
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KvStats:
+    """Engine load. Blocks hold ``block_size`` tokens each."""
+
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    active_requests: int
+    waiting_requests: int
+    active_prefill_tokens: int = 0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+
+
+KvEventSink = Callable[[list[KvEvent]], None]
+"""Receives the KV events of one engine step, in order. Must not block."""
+
+
+@dataclass
+class EngineConfig:
+    """Settings common to engines. ``model`` is a model name or local path."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 2048
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """An inference engine serving many concurrent requests (continuous batching).
+
+    Lifecycle: ``await start()``, then any number of concurrent
+    ``generate()`` iterations, then ``await stop()``.
+    """
+
+    name: str = "base"
+    model_name: str = ""
+    block_size: int = 16
+    kv_event_sink: KvEventSink | None = None
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights / start the step loop."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop the step loop; pending generations end with ``abort``."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Serve ``request``; yields outputs until one carries a finish reason.
+
+        Raises:
+            EngineError: the request cannot be served by this engine.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop generating for ``request_id``; its iterator ends with ``abort``."""
+
+    @abc.abstractmethod
+    def kv_stats(self) -> KvStats:
+        """Current KV cache occupancy and queue lengths."""
+
+    def emit_kv_events(self, events: list[KvEvent]) -> None:
+        """Forward one step's KV events to the sink, if one is attached."""
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)

@@ -1,0 +1,77 @@
+"""Entry point of one worker process: build the engine, run a :class:`Worker`.
+
+SIGTERM and SIGINT drain the worker (no request lost); a second signal stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+
+from kvflow.schemas import WorkerRole
+from kvflow.settings import Settings
+from kvflow.workers.engines import make_engine
+from kvflow.workers.engines.base import Engine
+from kvflow.workers.worker import Worker, WorkerConfig
+
+__all__ = ["build_engine", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(engine: str, model: str, *, block_size: int | None = None, num_kv_blocks: int | None = None,
+                 speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker") -> tuple[Engine, str, str]:
+    """Build an engine from CLI-level options.
+
+    Returns ``(engine, served_model_name, tokenizer_spec)``.
+
+    Raises:
+        ValueError: unknown engine.
+    """
+    if engine == "mocker":
+        from kvflow.workers.engines.mocker_core import MockerConfig
+
+        cfg = MockerConfig(speedup_ratio=speedup_ratio)
+        if block_size:
+            cfg.block_size = block_size
+        if num_kv_blocks:
+            cfg.num_kv_blocks = num_kv_blocks
+        return make_engine("mocker", config=cfg, worker_id=worker_id), model, "bytes"
+    if engine == "hf":
+        from kvflow.workers.models import resolve_model
+
+        resolved = resolve_model(model)
+        kw = {"block_size": block_size} if block_size else {}
+        if num_kv_blocks:
+            kw["num_kv_blocks"] = num_kv_blocks
+        return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
+    if engine == "vllm":
+        return make_engine("vllm", model=model), model, model
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
+                     role: WorkerRole = WorkerRole.aggregated, worker_id: str | None = None,
+                     block_size: int | None = None, num_kv_blocks: int | None = None,
+                     speedup_ratio: float = 1.0, device: str = "cpu") -> None:
+    """Run a worker until it is drained (SIGTERM/SIGINT) or stopped."""
+    worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
+    eng, served_name, tokenizer = build_engine(engine, model, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                               speedup_ratio=speedup_ratio, device=device, worker_id=worker_id)
+    worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
+                                           tokenizer=tokenizer, role=role), eng)
+    loop = asyncio.get_running_loop()
+    signals = {"n": 0}
+
+    def on_signal() -> None:
+        signals["n"] += 1
+        if signals["n"] == 1:
+            asyncio.ensure_future(worker.drain())
+        else:
+            worker.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await worker.run()

@@ -1,0 +1,399 @@
+"""The worker process: consume one queue partition, run an engine, stream results.
+
+Data flow: ``queue.<role>[slot]`` → :class:`~kvflow.workers.engines.base.Engine`
+→ token deltas and a final response to each request's ``reply_to``. Side
+streams: heartbeats (workers topic), KV events (kv-events topic), load
+snapshots (metrics topic). The worker assigns its partition directly (no
+consumer group, so no rebalance pauses) and commits its position under the
+group ``<namespace>.worker.<role>.<slot>`` so a replacement on the same slot
+resumes where it left off.
+
+Delivery: a queue record's offset is committed once its request has been
+handed to the engine, so a crash loses at most the requests in flight
+(at-most-once); a drain loses none (see :meth:`Worker.drain`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from kvflow.schemas import (
+    ErrorInfo,
+    FinalResponse,
+    FinishReason,
+    InferenceRequest,
+    KvDumpRequest,
+    KvEvent,
+    KvEventBatch,
+    RecordError,
+    Timings,
+    TokenDelta,
+    Usage,
+    WorkerHeartbeat,
+    WorkerMetrics,
+    WorkerRole,
+    WorkerStatus,
+    decode,
+    encode,
+    now_ms,
+)
+from kvflow.settings import Settings
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.kafka import DeadLetterWriter, make_consumer, make_producer
+from kvflow.workers.engines.base import Engine, EngineError, GenerateRequest
+from kvflow.workers.stops import StopChecker
+
+__all__ = ["WorkerConfig", "Worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    """Identity and limits of one worker.
+
+    ``slot`` is the queue partition it consumes; ``model`` the served model
+    name; ``tokenizer`` the spec producers use to pre-tokenize for it;
+    ``max_inflight`` caps requests taken from the queue and not finished;
+    ``drain_timeout_s`` bounds how long a drain waits for in-flight requests;
+    ``metrics_interval_s`` is the period of :class:`WorkerMetrics` snapshots.
+    """
+
+    worker_id: str
+    slot: int
+    model: str
+    tokenizer: str = "bytes"
+    role: WorkerRole = WorkerRole.aggregated
+    max_inflight: int = 256
+    drain_timeout_s: float = 60.0
+    metrics_interval_s: float = 2.0
+
+
+@dataclass
+class _Inflight:
+    request: InferenceRequest
+    task: asyncio.Task
+    received_ms: int
+
+
+class Worker:
+    """Adapts an :class:`Engine` to Kafka. ``await run()`` until drained or stopped."""
+
+    def __init__(self, settings: Settings, config: WorkerConfig, engine: Engine, catalog: Catalog | None = None) -> None:
+        self.settings = settings
+        self.config = config
+        self.engine = engine
+        self.catalog = catalog or Catalog(settings.namespace)
+        self.queue_tp = TopicPartition(self.catalog.queue(config.role).name, config.slot)
+        if config.slot >= self.catalog.queue(config.role).partitions:
+            raise ValueError(f"slot {config.slot} >= {self.catalog.queue(config.role).partitions} queue partitions")
+        self.producer = make_producer(settings)
+        self.consumer = make_consumer(
+            settings, group_id=f"{settings.namespace}.worker.{config.role.value}.{config.slot}",
+            enable_auto_commit=False,
+        )
+        self.control = make_consumer(settings)
+        self.dlq = DeadLetterWriter(self.producer, self.catalog, consumer=config.worker_id)
+        self.inflight: dict[str, _Inflight] = {}
+        self.status = WorkerStatus.serving
+        self.started_ms = now_ms()
+        self.next_event_id = 0
+        self.kv_pending: list[KvEvent] = []
+        self.kv_wakeup = asyncio.Event()
+        self.served = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._last_tokens = (time.monotonic(), 0, 0)
+
+    # lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start engine and clients, position on the queue, register."""
+        self.engine.kv_event_sink = self._on_kv_events
+        await self.engine.start()
+        await self.producer.start()
+        await self.consumer.start()
+        self.consumer.assign([self.queue_tp])
+        committed = await self.consumer.committed(self.queue_tp)
+        if committed is None:
+            await self.consumer.seek_to_end(self.queue_tp)
+        await self.consumer.position(self.queue_tp)
+        await self.control.start()
+        dump_tp = TopicPartition(self.catalog.kv_dump_requests.name, 0)
+        self.control.assign([dump_tp])
+        await self.control.seek_to_end(dump_tp)
+        await self.control.position(dump_tp)
+        await self._heartbeat()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._kv_publisher(), name="kv-events"),
+            asyncio.create_task(self._dump_listener(), name="kv-dump"),
+        ]
+        log.info("worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model, *self.queue_tp)
+
+    async def run(self) -> None:
+        """Start, consume until :meth:`drain` or :meth:`stop`, then shut down."""
+        await self.start()
+        try:
+            await self._consume_loop()
+        finally:
+            await self._shutdown()
+
+    async def drain(self) -> None:
+        """Stop taking work without losing any.
+
+        1. Publish a ``draining`` heartbeat: routers stop sending here.
+        2. Keep consuming for two heartbeat periods, so requests routed before
+           the routers saw step 1 are still served.
+        3. Wait (up to ``drain_timeout_s``) for in-flight requests to finish.
+        4. :meth:`run` then publishes ``stopped`` and exits.
+        """
+        if self.status != WorkerStatus.serving:
+            return
+        self.status = WorkerStatus.draining
+        await self._heartbeat()
+        await asyncio.sleep(2 * self.settings.heartbeat_interval_ms / 1000)
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stop now (in-flight requests are aborted with an error response)."""
+        self._stop.set()
+
+    async def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.inflight and time.monotonic() < deadline and self.status == WorkerStatus.draining:
+            await asyncio.sleep(0.05)
+        for item in list(self.inflight.values()):
+            item.task.cancel()
+        await asyncio.gather(*(i.task for i in self.inflight.values()), return_exceptions=True)
+        self.status = WorkerStatus.stopped
+        with contextlib.suppress(Exception):
+            await self._heartbeat()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._flush_kv_events()
+        await self.engine.stop()
+        await self.control.stop()
+        await self.consumer.stop()
+        await self.producer.stop()
+        log.info("worker %s stopped after %d requests", self.config.worker_id, self.served)
+
+    # request path ------------------------------------------------------------
+
+    async def _consume_loop(self) -> None:
+        while not self._stop.is_set():
+            room = self.config.max_inflight - len(self.inflight)
+            if room <= 0:
+                await asyncio.sleep(0.005)
+                continue
+            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=100, max_records=room)
+            records = batches.get(self.queue_tp, [])
+            for msg in records:
+                request = await self.dlq.decode(InferenceRequest, msg)
+                if request is None:
+                    continue
+                if request.request_id in self.inflight:
+                    continue  # duplicate delivery of a request already being served
+                task = asyncio.create_task(self._serve(request), name=f"req-{request.request_id}")
+                self.inflight[request.request_id] = _Inflight(request, task, now_ms())
+            if records:
+                await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
+
+    async def _send(self, request: InferenceRequest, record: Any) -> None:
+        await self.producer.send(request.reply_to.topic, encode(record), key=request.request_id.encode(),
+                                 partition=request.reply_to.partition)
+
+    async def _serve(self, request: InferenceRequest) -> None:
+        received = now_ms()
+        try:
+            await self._generate(request, received)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(request.request_id)
+                await self._send(request, self._error(request, "worker stopped before the request finished", 503,
+                                                      "worker_stopped"))
+            raise
+        except EngineError as exc:
+            await self._send(request, self._error(request, str(exc), 400, "engine_rejected"))
+        except Exception as exc:  # noqa: BLE001 - report, never let one request kill the worker
+            log.exception("request %s failed", request.request_id)
+            await self._send(request, self._error(request, f"internal error: {exc!r}", 500, "worker_error"))
+        finally:
+            self.inflight.pop(request.request_id, None)
+            self.served += 1
+
+    def _error(self, request: InferenceRequest, message: str, status: int, code: str) -> FinalResponse:
+        return FinalResponse(
+            request_id=request.request_id, finish_reason=FinishReason.error, worker_id=self.config.worker_id,
+            routing=request.routing,
+            error=ErrorInfo(message=message, type="invalid_request_error" if status < 500 else "server_error",
+                            code=code, status=status),
+        )
+
+    def _prompt_ids(self, request: InferenceRequest) -> list[int]:
+        if request.token_ids is not None:
+            return list(request.token_ids)
+        tokenizer = self.tokenizer
+        if request.messages is not None:
+            return tokenizer.encode_chat(request.messages)
+        return tokenizer.encode_prompt(request.prompt or "")
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer wrapper (see :mod:`kvflow.workers.tokenizer`)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            from kvflow.workers.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(self.config.tokenizer)
+        return tok
+
+    async def _generate(self, request: InferenceRequest, received_ms: int) -> None:
+        if request.deadline_ms is not None and now_ms() > request.deadline_ms:
+            await self._send(request, self._error(request, "deadline passed before the request started", 504,
+                                                  "deadline_exceeded"))
+            return
+        from kvflow.workers.tokenizer import IncrementalDetokenizer
+
+        prompt_ids = self._prompt_ids(request)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopChecker(request.sampling.stop)
+        started = now_ms()
+        first_ms = 0
+        cached = 0
+        output_ids: list[int] = []
+        index = 0
+        finish = FinishReason.length
+        gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                              sampling=request.sampling, lora_name=request.lora_name)
+        text_parts: list[str] = []
+        async for out in self.engine.generate(gen):
+            if not first_ms:
+                first_ms, cached = now_ms(), out.num_cached_tokens
+            output_ids.extend(out.token_ids)
+            text, stopped = stops.feed(detok.add(out.token_ids))
+            if stopped:
+                await self.engine.abort(request.request_id)
+                finish = FinishReason.stop
+            elif out.finish_reason is not None:
+                finish = out.finish_reason
+                text += stops.flush() + detok.flush()
+            if text or out.token_ids:
+                text_parts.append(text)
+                await self._send(request, TokenDelta(request_id=request.request_id, index=index,
+                                                     token_ids=out.token_ids, text=text,
+                                                     worker_id=self.config.worker_id))
+                index += 1
+            if stopped or out.finish_reason is not None:
+                break
+        final = FinalResponse(
+            request_id=request.request_id, text="".join(text_parts), token_ids=output_ids, finish_reason=finish,
+            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=cached),
+            timings=Timings(queued_ms=received_ms, started_ms=started, first_token_ms=first_ms, finished_ms=now_ms()),
+            worker_id=self.config.worker_id, routing=request.routing,
+        )
+        await self._send(request, final)
+
+    # side streams ------------------------------------------------------------
+
+    def _heartbeat_record(self) -> WorkerHeartbeat:
+        stats = self.engine.kv_stats()
+        return WorkerHeartbeat(
+            worker_id=self.config.worker_id, role=self.config.role, status=self.status, model=self.config.model,
+            engine=self.engine.name, tokenizer=self.config.tokenizer, block_size=stats.block_size,
+            kv_total_blocks=stats.total_blocks, kv_used_blocks=stats.used_blocks,
+            queue_topic=self.queue_tp.topic, queue_partition=self.queue_tp.partition,
+            active_requests=stats.active_requests, waiting_requests=stats.waiting_requests,
+            active_prefill_tokens=stats.active_prefill_tokens, ts_ms=now_ms(),
+            ttl_ms=self.settings.worker_ttl_ms, started_ms=self.started_ms,
+            host=f"{socket.gethostname()}:{os.getpid()}",
+        )
+
+    async def _heartbeat(self) -> None:
+        await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
+                                          key=self.config.worker_id.encode())
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval_ms / 1000
+        last_metrics = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._heartbeat()
+                if time.monotonic() - last_metrics >= self.config.metrics_interval_s:
+                    last_metrics = time.monotonic()
+                    await self.producer.send(self.catalog.metrics.name, encode(self._metrics_record()),
+                                             key=self.config.worker_id.encode())
+            except Exception:  # noqa: BLE001 - keep beating through transient broker errors
+                log.exception("heartbeat failed")
+
+    def _metrics_record(self) -> WorkerMetrics:
+        stats = self.engine.kv_stats()
+        t0, p0, d0 = self._last_tokens
+        t1 = time.monotonic()
+        dt = max(t1 - t0, 1e-6)
+        self._last_tokens = (t1, stats.prefill_tokens_total, stats.decode_tokens_total)
+        return WorkerMetrics(
+            ts_ms=now_ms(), worker_id=self.config.worker_id, role=self.config.role.value,
+            active_requests=stats.active_requests, waiting_requests=stats.waiting_requests,
+            kv_used_blocks=stats.used_blocks, kv_total_blocks=stats.total_blocks, queue_depth=len(self.inflight),
+            prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
+            decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
+        )
+
+    def _on_kv_events(self, events: list[KvEvent]) -> None:
+        self.kv_pending.extend(events)
+        self.kv_wakeup.set()
+
+    async def _flush_kv_events(self, dump: bool = False, events: list[KvEvent] | None = None) -> None:
+        if events is None:
+            events, self.kv_pending = self.kv_pending, []
+        if not events and not dump:
+            return
+        batch = KvEventBatch(worker_id=self.config.worker_id, event_id=self.next_event_id,
+                             block_size=self.engine.block_size, ts_ms=now_ms(), events=events, dump=dump)
+        self.next_event_id += 1
+        await self.producer.send(self.catalog.kv_events.name, encode(batch), key=self.config.worker_id.encode())
+
+    async def _kv_publisher(self) -> None:
+        while True:
+            await self.kv_wakeup.wait()
+            self.kv_wakeup.clear()
+            await self._flush_kv_events()
+
+    async def _dump_listener(self) -> None:
+        while True:
+            batches = await self.control.getmany(timeout_ms=500)
+            for records in batches.values():
+                for msg in records:
+                    try:
+                        req = decode(KvDumpRequest, msg.value)
+                    except RecordError:
+                        continue
+                    if req.worker_id == self.config.worker_id:
+                        await self._publish_dump()
+
+    async def _publish_dump(self) -> None:
+        dump_fn = getattr(self.engine, "dump_kv_events", None)
+        if dump_fn is None:
+            return
+        await self._flush_kv_events()
+        await self._flush_kv_events(dump=True, events=list(dump_fn()))
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-friendly status dict (for logs and tests)."""
+        return {"worker_id": self.config.worker_id, "status": self.status.value, "inflight": len(self.inflight),
+                "served": self.served, "dead_letters": self.dlq.count}
+
+

