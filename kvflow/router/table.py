@@ -59,10 +59,12 @@ class WorkerView:
 
 @dataclass
 class RoutingTable:
-    """Live workers by id, plus the round-robin cursor per (model, role)."""
+    """Live workers by id, the round-robin cursor per (model, role), and the
+    KV index that KV-aware policies consult (``None`` until one is attached)."""
 
     workers: dict[str, WorkerView] = field(default_factory=dict)
     rr_cursor: dict[tuple[str, str], int] = field(default_factory=dict)
+    kv_index: Any = None
 
     def candidates(self, model: str, role: WorkerRole | str) -> list[WorkerView]:
         """Serving workers of ``model`` and ``role``, sorted by worker id (stable order)."""

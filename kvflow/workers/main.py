@@ -33,12 +33,13 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     if engine == "mocker":
         from kvflow.workers.engines.mocker_core import MockerConfig
 
-        cfg = MockerConfig(speedup_ratio=speedup_ratio)
+        kw = {"speedup_ratio": speedup_ratio}
         if block_size:
-            cfg.block_size = block_size
+            kw["block_size"] = block_size
         if num_kv_blocks:
-            cfg.num_kv_blocks = num_kv_blocks
-        return make_engine("mocker", config=cfg, worker_id=worker_id), model, "bytes"
+            kw["num_kv_blocks"] = num_kv_blocks
+        engine_obj = make_engine("mocker", config=MockerConfig(**kw), worker_id=worker_id, model_name=model)
+        return engine_obj, model, "bytes"
     if engine == "hf":
         from kvflow.workers.models import resolve_model
 
