@@ -1,0 +1,201 @@
+"""The ``mocker`` engine: :class:`MockerCore` run live on the event loop.
+
+One asyncio task owns the core and loops: ``core.step()``, sleep the step's
+simulated duration, then hand each request its tokens and the step's KV
+events to :meth:`Engine.emit_kv_events`. Tokens thus arrive at the times a
+real engine with Dynamo's timing model would produce them. Requests added
+during a sleep join at the next step, as they would on a GPU busy with the
+current batch. ``sleep`` is injectable so tests can run faster than real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import fields
+
+from kvflow.schemas import FinishReason, KvEvent
+from kvflow.workers.engines.base import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    EngineOutput,
+    GenerateRequest,
+    KvStats,
+)
+from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore
+
+__all__ = ["MockerEngine"]
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def _load_bytes_tokenizer():
+    """The byte-level tokenizer if :mod:`kvflow.workers.tokenizer` exists, else None."""
+    try:
+        module = importlib.import_module("kvflow.workers.tokenizer")
+    except ImportError:
+        return None
+    return module.load_tokenizer("bytes")
+
+
+class MockerEngine(Engine):
+    """Simulated engine: real scheduling, KV blocks and KV events; no weights.
+
+    Args:
+        config: simulation settings; defaults to :class:`MockerConfig` defaults.
+        worker_id: name handed to the core.
+        model_name: reported model name.
+        sleep: awaited with each step's duration in seconds; defaults to
+            :func:`asyncio.sleep` (wall clock).
+
+    ``tokenizer`` is the byte-level tokenizer from
+    ``kvflow.workers.tokenizer.load_tokenizer("bytes")``, or None when that
+    module is absent.
+    """
+
+    name = "mocker"
+
+    def __init__(
+        self,
+        config: MockerConfig | None = None,
+        *,
+        worker_id: str = "mocker",
+        model_name: str = "mocker",
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self.config = config or MockerConfig()
+        self.core = MockerCore(self.config, worker_id)
+        self.block_size = self.config.block_size
+        self.model_name = model_name
+        self.tokenizer = _load_bytes_tokenizer()
+        # Served output must decode to readable text with the byte tokenizer:
+        # core ids are folded onto the ids of lowercase letters and space.
+        self._text_ids = (self.tokenizer.encode_prompt("abcdefghijklmnopqrstuvwxyz ")
+                          if self.tokenizer is not None else None)
+        self._sleep = sleep
+        self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, **kwargs) -> MockerEngine:
+        """Build from the common :class:`EngineConfig`.
+
+        ``block_size``, ``num_kv_blocks``, ``max_batch_size`` (as
+        ``max_num_seqs``) and ``max_num_batched_tokens`` carry over; keys of
+        ``config.extra`` named like :class:`MockerConfig` fields override the
+        rest. Unless ``extra`` sets ``vocab_size``, it is the byte
+        tokenizer's vocabulary size (when that tokenizer exists), so every
+        output id decodes to text. Other keyword arguments go to the
+        constructor.
+
+        Raises:
+            ValueError: an ``extra`` key is not a MockerConfig field, or a value is invalid.
+        """
+        known = {f.name for f in fields(MockerConfig)}
+        unknown = set(config.extra) - known
+        if unknown:
+            raise ValueError(f"unknown mocker settings: {sorted(unknown)}")
+        values = {
+            "block_size": config.block_size,
+            "num_kv_blocks": config.num_kv_blocks,
+            "max_num_seqs": config.max_batch_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            **config.extra,
+        }
+        tokenizer = _load_bytes_tokenizer()
+        if "vocab_size" not in values and tokenizer is not None:
+            values["vocab_size"] = tokenizer.vocab_size
+        kwargs.setdefault("model_name", config.model)
+        return cls(MockerConfig(**values), **kwargs)
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the step loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._step_loop(), name="mocker-step-loop")
+
+    async def stop(self) -> None:
+        """Stop the step loop; pending generations end with ``abort``."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for request_id in list(self._queues):
+            self.core.abort(request_id)
+            self._queues.pop(request_id).put_nowait(EngineOutput([], FinishReason.abort))
+
+    async def _step_loop(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = core.step()
+            if not result.outputs and result.duration_ms == 0.0:
+                # Nothing could be scheduled; wait for a new request or an abort.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._sleep(result.duration_ms / 1000.0)
+            for request_id, output in result.outputs.items():
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finish_reason is not None:
+                        del self._queues[request_id]
+            self.emit_kv_events(result.kv_events)
+
+    # ---- requests ------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Serve ``request``: one output per step, the last with ``finish_reason``.
+
+        Leaving the iteration early aborts the request.
+
+        Raises:
+            EngineError: the engine is not started, or the core rejects the
+                request (empty prompt, duplicate id, larger than the KV pool).
+        """
+        if self._task is None or self._task.done():
+            raise EngineError("mocker engine is not started")
+        if request.request_id in self._queues:
+            raise EngineError(f"request {request.request_id} is already in flight")
+        self.core.add_request(request)
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finish_reason is not None
+                if self._text_ids is not None:
+                    output.token_ids = [self._text_ids[t % len(self._text_ids)] for t in output.token_ids]
+                yield output
+        finally:
+            if not finished:
+                self.core.abort(request.request_id)
+                self._queues.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id``; its iterator ends with an ``abort`` output."""
+        self.core.abort(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(EngineOutput([], FinishReason.abort))
+        self._wake.set()
+
+    def kv_stats(self) -> KvStats:
+        """KV usage and queue lengths from the core."""
+        return self.core.stats()
+
+    def dump_kv_events(self) -> list[KvEvent]:
+        """``BlockStored`` events for every cached block (for a KV resync)."""
+        return self.core.dump_kv_events()

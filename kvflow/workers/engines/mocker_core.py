@@ -1,0 +1,433 @@
+"""The mocker's engine core: a simulated continuous-batching engine without weights.
+
+:class:`MockerCore` is synchronous, deterministic and has no clock. Each
+:meth:`MockerCore.step` schedules one engine iteration, advances every
+request's state, and returns how long that iteration *would* take on a GPU
+(``StepResult.duration_ms``). The live :mod:`kvflow.workers.engines.mocker`
+engine sleeps that long on the wall clock; the offline simulator advances a
+simulated clock by it. Both therefore see the same tokens, KV events and
+timings.
+
+Scheduling follows vLLM v1 as NVIDIA Dynamo's mocker models it
+(ai-dynamo/dynamo ``lib/mocker/src/scheduler/vllm/core.rs``,
+``execute_pass_internal``):
+
+1. Running requests, oldest first, each get their next tokens within the
+   token budget ``max_num_batched_tokens``: one token for a request in
+   decode, the next prompt chunk for one still in prefill. If the KV pool
+   cannot hold them, the *newest* running request is preempted (its blocks
+   are released, it goes back to the front of the waiting queue and will
+   recompute its prompt and generated tokens, mostly from the prefix cache);
+   this is vLLM's recompute preemption and Dynamo's default ``Lifo`` mode.
+2. If nothing was preempted, waiting requests are admitted first-come
+   first-served while ``max_num_seqs``, the token budget and the KV pool
+   allow. Prompt blocks already in the prefix cache are reused, not
+   recomputed (at least one prompt token is always computed, as in vLLM).
+   With chunked prefill a prompt larger than the remaining budget is split
+   across steps; without it the prompt waits for a step with room (or runs
+   alone, over budget, when nothing else is scheduled).
+3. Every request whose tokens are all computed samples one token. The first
+   output token of a request therefore comes at the end of the step that
+   completes its prefill.
+
+Step duration (Dynamo: ``prefill_time`` then ``decode_start_ms = now +
+prefill_time``, ``end_ms = decode_start_ms + decode_time``, so the two *add*)::
+
+    duration_ms = (prefill_ms(t) + decode_ms(u)) / speedup_ratio
+    prefill_ms(t) = a·t² + b·t + c   if t > 0 else 0     (t = uncached prefill tokens this step)
+    decode_ms(u)  = max(1, a·u² + b·u + c) if any token is sampled this step else 0
+                    (u = used / total KV blocks after this step's allocations, capped at 1)
+
+Coefficients are Dynamo's polynomial perf model
+(``lib/mocker/src/common/perf_model.rs``: ``polynomial_prefill_time`` and
+``polynomial_decode_time``, decode floored at 1 ms).
+
+The mocker has no end-of-sequence token: every request produces exactly
+``max_tokens`` tokens and finishes with ``length``; ``ignore_eos`` and the
+other sampling settings are ignored. Output ids are pseudo-random but
+deterministic: token ``i`` of a request is
+``xxh3_64(u64le(request_seed) ‖ u64le(i)) mod vocab_size`` with
+``request_seed = xxh3_64(f"{config.seed}:{request_id}")``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+
+import xxhash
+
+from kvflow.router.hashing import block_seed, compute_block_hashes, next_sequence_hash, tokens_to_bytes
+from kvflow.schemas import FinishReason, KvEvent
+from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest, KvStats
+from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
+
+__all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms"]
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_pair = struct.Struct("<QQ").pack
+
+
+@dataclass
+class MockerConfig:
+    """Settings of the simulated engine.
+
+    Defaults are Dynamo mocker's ``MockEngineArgs`` defaults
+    (ai-dynamo/dynamo ``lib/mocker``: ``num_gpu_blocks`` 16384, ``block_size``
+    64, ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192, prefix caching
+    and chunked prefill on, ``speedup_ratio`` 1.0) and its polynomial perf
+    model coefficients (``perf_model.rs``).
+
+    Attributes:
+        block_size: tokens per KV block. Defaults to ``64``.
+        num_kv_blocks: KV blocks in the pool. Defaults to ``16384``.
+        max_num_seqs: most requests running at once. Defaults to ``256``.
+        max_num_batched_tokens: token budget of one step (prefill chunks plus
+            one token per decoding request). Defaults to ``8192``.
+        enable_prefix_caching: reuse cached prompt blocks and publish KV
+            events. Defaults to ``True``.
+        enable_chunked_prefill: split prompts across steps. Defaults to ``True``.
+        speedup_ratio: simulated durations are divided by this (> 0).
+            Defaults to ``1.0``.
+        seed: seeds the output token ids. Defaults to ``0``.
+        prefill_coeffs: ``(a, b, c)`` of prefill ms = a·t² + b·t + c, t = new
+            tokens in the step. Defaults to Dynamo's
+            ``(4.209989e-07, 1.518344e-02, 16.50142)``.
+        decode_coeffs: ``(a, b, c)`` of decode ms = a·u² + b·u + c, u = KV
+            block usage in [0, 1]. Defaults to ``(-25.74, 54.01, 5.74)``.
+        vocab_size: output ids are drawn from ``[0, vocab_size)``. Defaults
+            to ``49152`` (the SmolLM2 vocabulary).
+
+    Raises:
+        ValueError: a size is < 1 or ``speedup_ratio`` <= 0.
+    """
+
+    block_size: int = 64
+    num_kv_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    speedup_ratio: float = 1.0
+    seed: int = 0
+    prefill_coeffs: tuple = (4.209989e-07, 1.518344e-02, 16.50142)
+    decode_coeffs: tuple = (-25.74, 54.01, 5.74)
+    vocab_size: int = 49152
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.speedup_ratio > 0:
+            raise ValueError(f"speedup_ratio must be > 0, got {self.speedup_ratio}")
+        if len(self.prefill_coeffs) != 3 or len(self.decode_coeffs) != 3:
+            raise ValueError("prefill_coeffs and decode_coeffs take three coefficients (a, b, c)")
+
+
+def prefill_time_ms(config: MockerConfig, num_tokens: int) -> float:
+    """Simulated prefill time (ms, before speedup) of ``num_tokens`` new tokens in one step.
+
+    ``a·t² + b·t + c`` with ``config.prefill_coeffs``, floored at 0; 0 when
+    no tokens are prefilled (Dynamo ``polynomial_prefill_time``).
+    """
+    if num_tokens <= 0:
+        return 0.0
+    a, b, c = config.prefill_coeffs
+    return max(0.0, a * num_tokens * num_tokens + b * num_tokens + c)
+
+
+def decode_time_ms(config: MockerConfig, usage: float) -> float:
+    """Simulated decode time (ms, before speedup) at KV usage ``usage`` (fraction, capped at 1).
+
+    ``max(1, a·u² + b·u + c)`` with ``config.decode_coeffs`` (Dynamo
+    ``polynomial_decode_time``).
+    """
+    u = min(max(usage, 0.0), 1.0)
+    a, b, c = config.decode_coeffs
+    return max(1.0, a * u * u + b * u + c)
+
+
+@dataclass
+class StepResult:
+    """What one engine iteration did.
+
+    Attributes:
+        duration_ms: simulated wall time of the step, already divided by
+            ``speedup_ratio``; 0 when nothing was scheduled.
+        outputs: ``request_id -> EngineOutput`` for every request that
+            sampled a token this step (one token each).
+        kv_events: KV cache events of the step, in order.
+        prefill_tokens: prompt (or recompute) tokens computed this step,
+            excluding prefix-cache hits — the ``t`` of the prefill formula.
+        decode_tokens: tokens computed by requests in decode (one each).
+    """
+
+    duration_ms: float
+    outputs: dict[str, EngineOutput]
+    kv_events: list[KvEvent]
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class _Seq:
+    """Working state of one request inside the core."""
+
+    __slots__ = (
+        "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
+        "hashes", "hash_seed", "lora_name", "token_seed", "cap", "committed", "running",
+    )
+
+    def __init__(self, request: GenerateRequest, config: MockerConfig) -> None:
+        self.rid = request.request_id
+        self.tokens = list(request.prompt_token_ids)  # prompt, then generated ids
+        self.prompt_len = len(self.tokens)
+        self.max_tokens = request.sampling.max_tokens
+        self.num_generated = 0
+        self.num_computed = 0  # tokens whose KV is computed
+        self.num_cached = 0  # prompt tokens served from the prefix cache at admission
+        self.lora_name = request.lora_name
+        self.hash_seed = block_seed(request.lora_name)
+        self.hashes = (
+            compute_block_hashes(self.tokens, config.block_size, request.lora_name)
+            if config.enable_prefix_caching
+            else []
+        )
+        self.token_seed = _xxh3(f"{config.seed}:{self.rid}".encode())
+        self.cap = 0  # tokens the allocated blocks can hold
+        self.committed = 0  # blocks committed to the pool
+        self.running = False
+
+
+class MockerCore:
+    """Deterministic, clock-free simulated engine core (see the module docstring).
+
+    Args:
+        config: engine settings.
+        worker_id: name of the worker this core simulates (informational).
+
+    Not thread-safe; drive it from one task or loop.
+    """
+
+    def __init__(self, config: MockerConfig, worker_id: str = "mocker") -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []  # admission order, oldest first
+        self._seqs: dict[str, _Seq] = {}
+        self.num_preemptions = 0
+        self.prefill_tokens_total = 0
+        self.decode_tokens_total = 0
+
+    # ---- requests ------------------------------------------------------
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue ``request`` (FCFS) for the next :meth:`step`.
+
+        Raises:
+            EngineError: empty prompt, duplicate in-flight ``request_id``, or
+                prompt + output larger than the whole KV pool.
+        """
+        if not request.prompt_token_ids:
+            raise EngineError(f"request {request.request_id}: empty prompt")
+        if request.request_id in self._seqs:
+            raise EngineError(f"request {request.request_id} is already in flight")
+        # KV slots held at the last step: the final sampled token is never fed back.
+        footprint = self.pool.blocks_for_tokens(len(request.prompt_token_ids) + request.sampling.max_tokens - 1)
+        if footprint > self.config.num_kv_blocks:
+            raise EngineError(
+                f"request {request.request_id} needs {footprint} KV blocks, the pool has {self.config.num_kv_blocks}"
+            )
+        try:
+            seq = _Seq(request, self.config)
+        except ValueError as exc:
+            raise EngineError(f"request {request.request_id}: {exc}") from exc
+        self._seqs[seq.rid] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` wherever it is and release its blocks (no-op if unknown)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq.running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self.pool.free(seq.rid)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._seqs)
+
+    # ---- the step --------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Run one iteration: schedule, compute, sample; see the module docstring.
+
+        Returns:
+            The step's simulated duration, outputs, KV events and token counts.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[_Seq, int]] = []
+        budget, preempted = self._schedule_running(scheduled, budget)
+        if not preempted:  # vLLM admits nothing in a step that had to preempt
+            self._admit_waiting(scheduled, budget)
+        usage = self.pool.num_used_blocks / self.config.num_kv_blocks
+        outputs, prefill_tokens, decode_tokens = self._execute(scheduled)
+
+        cfg = self.config
+        duration = prefill_time_ms(cfg, prefill_tokens)
+        if outputs:
+            duration += decode_time_ms(cfg, usage)
+        self.prefill_tokens_total += prefill_tokens
+        self.decode_tokens_total += decode_tokens
+        return StepResult(
+            duration_ms=duration / cfg.speedup_ratio,
+            outputs=outputs,
+            kv_events=self.pool.take_events(),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+        )
+
+    def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int) -> tuple[int, bool]:
+        """Give running requests their next tokens; preempt the newest on KV shortage."""
+        running, pool, bs = self._running, self.pool, self.config.block_size
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            target = seq.num_computed + n
+            if target > seq.cap:
+                while True:
+                    try:
+                        pool.allocate(seq.rid, target)
+                        break
+                    except NoFreeBlocks:
+                        victim = running.pop()  # newest; never one already scheduled (those are older)
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is seq:
+                            break
+                if not seq.running:
+                    continue  # seq itself was preempted; it was the last one
+                seq.cap = pool.num_seq_blocks(seq.rid) * bs
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        return budget, preempted
+
+    def _admit_waiting(self, scheduled: list[tuple[_Seq, int]], budget: int) -> None:
+        """Admit waiting requests FCFS while seats, budget and KV blocks allow."""
+        cfg, pool, waiting, running = self.config, self.pool, self._waiting, self._running
+        bs = cfg.block_size
+        while waiting and len(running) < cfg.max_num_seqs and budget > 0:
+            seq = waiting[0]
+            total = len(seq.tokens)
+            # Leave at least one token to compute, as vLLM does, so a full hit still samples.
+            hit_hashes = seq.hashes[: (total - 1) // bs] if cfg.enable_prefix_caching else ()
+            hits = pool.lookup(hit_hashes)
+            cached_tokens = hits * bs
+            n = total - cached_tokens
+            if n > budget:
+                if cfg.enable_chunked_prefill:
+                    n = budget
+                elif scheduled:
+                    break  # waits for a step with room
+                # else: nothing else runs this step, so it runs alone over budget
+            try:
+                pool.allocate(seq.rid, cached_tokens + n, hit_hashes[:hits])
+            except NoFreeBlocks:
+                break
+            waiting.popleft()
+            running.append(seq)
+            seq.running = True
+            seq.num_computed = cached_tokens
+            seq.committed = hits
+            seq.cap = pool.num_seq_blocks(seq.rid) * bs
+            if seq.num_generated == 0:
+                seq.num_cached = cached_tokens
+            scheduled.append((seq, n))
+            budget -= n
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Send a running request back to the front of the queue, releasing its blocks."""
+        self.pool.free(seq.rid)
+        seq.running = False
+        seq.num_computed = 0
+        seq.cap = 0
+        seq.committed = 0
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _execute(self, scheduled: list[tuple[_Seq, int]]) -> tuple[dict[str, EngineOutput], int, int]:
+        """Advance scheduled requests: commit full blocks, sample tokens, finish requests."""
+        cfg, pool = self.config, self.pool
+        bs, vocab, caching = cfg.block_size, cfg.vocab_size, cfg.enable_prefix_caching
+        outputs: dict[str, EngineOutput] = {}
+        prefill_tokens = decode_tokens = 0
+        finished = False
+        for seq, n in scheduled:
+            tokens = seq.tokens
+            if n == 1 and seq.num_generated and seq.num_computed == len(tokens) - 1:
+                decode_tokens += 1
+            else:
+                prefill_tokens += n
+            seq.num_computed += n
+            if caching and seq.num_computed // bs > seq.committed:
+                seq.committed = seq.num_computed // bs
+                pool.commit(seq.rid, seq.hashes[: seq.committed], seq.lora_name)
+            if seq.num_computed < len(tokens):
+                continue  # prefill chunk: no token yet
+            index = seq.num_generated
+            token = _xxh3(_pack_pair(seq.token_seed, index)) % vocab
+            tokens.append(token)
+            seq.num_generated = index + 1
+            if caching and len(tokens) % bs == 0:
+                local = _xxh3(tokens_to_bytes(tokens[-bs:]), seq.hash_seed)
+                seq.hashes.append(next_sequence_hash(seq.hashes[-1] if seq.hashes else None, local))
+            cached = seq.num_cached if index == 0 else 0
+            if seq.num_generated >= seq.max_tokens:
+                outputs[seq.rid] = EngineOutput([token], FinishReason.length, cached)
+                self._finish(seq)
+                finished = True
+            else:
+                outputs[seq.rid] = EngineOutput([token], None, cached)
+        if finished:
+            self._running = [s for s in self._running if s.running]
+        return outputs, prefill_tokens, decode_tokens
+
+    def _finish(self, seq: _Seq) -> None:
+        self.pool.free(seq.rid)
+        seq.running = False
+        del self._seqs[seq.rid]
+
+    # ---- introspection ---------------------------------------------------
+
+    def stats(self) -> KvStats:
+        """Current KV usage, queue lengths and token totals.
+
+        ``active_prefill_tokens`` counts prompt/recompute tokens not yet
+        computed, over waiting and running requests (O(requests)).
+        """
+        pending = 0
+        for seq in self._seqs.values():
+            left = len(seq.tokens) - seq.num_computed
+            if not (seq.num_generated and left == 1):  # requests in decode have one token pending
+                pending += left
+        return KvStats(
+            block_size=self.config.block_size,
+            total_blocks=self.config.num_kv_blocks,
+            used_blocks=self.pool.num_used_blocks,
+            active_requests=len(self._running),
+            waiting_requests=len(self._waiting),
+            active_prefill_tokens=pending,
+            prefill_tokens_total=self.prefill_tokens_total,
+            decode_tokens_total=self.decode_tokens_total,
+        )
+
+    def dump_kv_events(self) -> list[KvEvent]:
+        """``BlockStored`` events for every block now cached (resync snapshot)."""
+        return self.pool.dump()
