@@ -104,13 +104,16 @@ class KvflowClient:
             batches = await self._consumer.getmany(timeout_ms=1000)
             for records in batches.values():
                 for msg in records:
-                    queue = self._pending.get(msg.key.decode() if msg.key else "")
+                    queue = self._pending.get(msg.key.decode("utf-8", "replace") if msg.key else "")
                     if queue is None:
                         continue
                     try:
-                        queue.put_nowait(decode(ResponseEvent, msg.value))
+                        event = decode(ResponseEvent, msg.value)
                     except RecordError as exc:
                         log.warning("undecodable response at offset %d: %s", msg.offset, exc)
+                        continue
+                    if event.request_id == msg.key.decode("utf-8", "replace"):
+                        queue.put_nowait(event)
 
     def new_request(
         self,
@@ -157,11 +160,15 @@ class KvflowClient:
                 if isinstance(event, FinalResponse):
                     return
         finally:
-            self._pending.pop(request.request_id, None)
+            # The generator may be closed late (an abandoned ``async for``);
+            # never drop a newer stream that reused the request id.
+            if self._pending.get(request.request_id) is queue:
+                del self._pending[request.request_id]
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:
         """Send ``request`` and return its final response (deltas are skipped)."""
-        async for event in self.stream(request):
-            if isinstance(event, FinalResponse):
-                return event
+        async with contextlib.aclosing(self.stream(request)) as events:
+            async for event in events:
+                if isinstance(event, FinalResponse):
+                    return event
         raise RequestTimeout(request.request_id)  # pragma: no cover - stream always ends with a final

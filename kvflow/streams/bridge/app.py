@@ -1,0 +1,61 @@
+"""Wiring of the OpenAI-compatible HTTP bridge: routes, error handlers, lifespan.
+
+Run it with uvicorn::
+
+    app = build_app(Settings(bootstrap_servers="127.0.0.1:9092"))
+    await uvicorn.Server(uvicorn.Config(app, host="0.0.0.0", port=8000)).serve()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvflow.settings import Settings
+from kvflow.streams.bridge.errors import install_error_handlers
+from kvflow.streams.bridge.lifecycle import kafka_bridge_state
+from kvflow.streams.bridge.routes import chat, completions, health, models
+from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.catalog import Catalog
+
+__all__ = ["build_app", "build_app_for_state"]
+
+
+def _assemble(lifespan: Callable[[FastAPI], Any] | None) -> FastAPI:
+    app = FastAPI(title="kvflow bridge", summary="OpenAI-compatible HTTP front of a kvflow pipeline",
+                  lifespan=lifespan)
+    install_error_handlers(app)
+    for module in (chat, completions, models, health):
+        app.include_router(module.router)
+    return app
+
+
+def build_app(settings: Settings, catalog: Catalog | None = None, *, slot: int | None = None,
+              ensure_topics: bool = True) -> FastAPI:
+    """The bridge app; its lifespan connects to Kafka on startup and
+    disconnects on shutdown (see :func:`kafka_bridge_state` for ``slot`` and
+    ``ensure_topics``). ``catalog`` defaults to ``Catalog(settings.namespace)``.
+    """
+    catalog = catalog or Catalog(settings.namespace)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with kafka_bridge_state(settings, catalog, slot=slot, ensure_topics=ensure_topics) as state:
+            app.state.bridge = state
+            try:
+                yield
+            finally:
+                app.state.bridge = None
+
+    return _assemble(lifespan)
+
+
+def build_app_for_state(state: BridgeState) -> FastAPI:
+    """The same routes over an existing :class:`BridgeState`, with no Kafka
+    lifespan (the caller owns the state's parts)."""
+    app = _assemble(None)
+    app.state.bridge = state
+    return app

@@ -1,0 +1,74 @@
+"""Starting and stopping the bridge's Kafka parts.
+
+One :func:`kafka_bridge_state` context builds a :class:`BridgeState` whose
+response source is a started :class:`KvflowClient` (it owns one responses
+partition), whose worker projection follows the workers topic from its
+beginning, and whose ``RequestMetrics`` go to the metrics topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from kvflow.settings import Settings
+from kvflow.streams.bridge.metrics import MetricsPublisher
+from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.bridge.worker_registry import WorkerRegistry, assign_workers_topic, catch_up, follow_workers
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.client import KvflowClient
+from kvflow.streams.kafka import create_topics, make_consumer, make_producer
+
+__all__ = ["kafka_bridge_state"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int | None = None,
+                             ensure_topics: bool = True) -> AsyncIterator[BridgeState]:
+    """Connect the bridge to Kafka; yields its state, tears everything down on exit.
+
+    ``slot`` is the responses partition of this bridge (random if None; give
+    each bridge replica its own). ``ensure_topics`` creates missing catalog
+    topics first (idempotent). Before yielding, the worker projection reads
+    the workers topic up to its current end (at most 3 s), so a bridge
+    started after its workers answers requests at once.
+
+    Raises:
+        ValueError: ``settings.bootstrap_servers`` is not set.
+        aiokafka.errors.KafkaError: the broker cannot be reached.
+    """
+    if ensure_topics:
+        await create_topics(settings, catalog)
+    registry = WorkerRegistry()
+    async with contextlib.AsyncExitStack() as stack:
+        client = KvflowClient(settings, catalog, slot=slot)
+        await client.start()
+        stack.push_async_callback(client.stop)
+
+        producer = make_producer(settings)
+        await producer.start()
+        stack.push_async_callback(producer.stop)
+        publisher = MetricsPublisher(producer, catalog)
+        stack.push_async_callback(publisher.drain)
+
+        consumer = make_consumer(settings)
+        await consumer.start()
+        stack.push_async_callback(consumer.stop)
+        await assign_workers_topic(consumer, catalog)
+        seen = await catch_up(consumer, registry)
+        follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")
+        stack.push_async_callback(_cancel, follower)
+
+        log.info("bridge connected: responses slot %d, %d heartbeats replayed, models %s",
+                 client.slot, seen, registry.models())
+        yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

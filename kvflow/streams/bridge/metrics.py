@@ -1,0 +1,188 @@
+"""Bridge metrics: Prometheus series for ``/metrics`` and ``RequestMetrics`` records.
+
+Every request to an inference endpoint gets a :class:`RequestObserver`: it
+counts the request in flight, times TTFT and ITL from the records as they
+arrive, and on :meth:`RequestObserver.finish` records the outcome in
+Prometheus and, for requests that reached the pipeline, hands one
+:class:`RequestMetrics` record to the publisher (the metrics topic).
+
+Times are measured on the bridge from the moment the HTTP body was read, so
+TTFT includes tokenization, Kafka hops, routing and queueing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaProducer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvflow.schemas import FinalResponse, RequestMetrics, TokenDelta, encode, now_ms
+from kvflow.streams.catalog import Catalog
+
+__all__ = ["BridgeMetrics", "RequestObserver", "MetricsPublisher", "STATUS_CLIENT_CLOSED"]
+
+log = logging.getLogger(__name__)
+
+STATUS_CLIENT_CLOSED = 499
+"""Status recorded when the client went away mid-request (nginx's convention)."""
+
+# Bucket edges. Latencies in seconds span a cached short prompt on a GPU
+# (ms) to a long CPU generation (minutes); token counts are powers of 2 up
+# to 128k, the longest contexts current models take.
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))
+
+
+class BridgeMetrics:
+    """The bridge's Prometheus series, in their own registry (one per app, so
+    several apps can live in one process). Names are prefixed
+    ``kvflow_bridge_``; latencies are in seconds, lengths in tokens.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvflow_bridge_requests", "Finished HTTP inference requests.",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("kvflow_bridge_requests_in_flight", "Inference requests being served.",
+                               ["endpoint"], registry=r)
+        self.ttft = Histogram("kvflow_bridge_ttft_seconds", "Time to first token, from body read.",
+                              ["model"], buckets=_TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("kvflow_bridge_itl_seconds", "Inter-token latency (one sample per token).",
+                             ["model"], buckets=_ITL_BUCKETS_S, registry=r)
+        self.duration = Histogram("kvflow_bridge_request_duration_seconds", "Request duration, body read to end.",
+                                  ["endpoint"], buckets=_DURATION_BUCKETS_S, registry=r)
+        self.isl = Histogram("kvflow_bridge_isl_tokens", "Input sequence length.", ["model"],
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.osl = Histogram("kvflow_bridge_osl_tokens", "Output sequence length.", ["model"],
+                             buckets=_TOKEN_BUCKETS, registry=r)
+
+
+@dataclass
+class RequestObserver:
+    """Timing and outcome of one HTTP inference request.
+
+    Call :meth:`submitted` once the request record exists, :meth:`on_event`
+    for each response record, and :meth:`finish` exactly when the answer is
+    complete (later calls are ignored). ``clock`` is monotonic seconds.
+    """
+
+    metrics: BridgeMetrics
+    endpoint: str
+    publish: Callable[[RequestMetrics], None] | None = None
+    clock: Callable[[], float] = time.perf_counter
+    started_s: float = -1.0
+    request_id: str = ""
+    model: str = ""
+    isl: int = 0
+    osl_seen: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    final: FinalResponse | None = None
+    finished: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        if self.started_s < 0:
+            self.started_s = self.clock()
+        self.metrics.in_flight.labels(self.endpoint).inc()
+
+    def submitted(self, request_id: str, model: str, isl: int) -> None:
+        """The request record was built: from now on a :class:`RequestMetrics` is published."""
+        self.request_id, self.model, self.isl = request_id, model, isl
+        self.metrics.isl.labels(model).observe(isl)
+
+    def on_event(self, event: TokenDelta | FinalResponse) -> None:
+        """Account for one response record as it arrives."""
+        if isinstance(event, FinalResponse):
+            self.final = event
+            return
+        n = len(event.token_ids)
+        if n == 0:
+            return
+        now = self.clock()
+        if self.first_token_s is None:
+            self.first_token_s = now
+            self.metrics.ttft.labels(self.model).observe(now - self.started_s)
+            itl_samples = n - 1  # tokens after the first in the same delta came with it
+            gap = 0.0
+        else:
+            itl_samples = n
+            gap = (now - self.last_token_s) / n  # type: ignore[operator]
+        for _ in range(itl_samples):
+            self.metrics.itl.labels(self.model).observe(gap)
+        self.last_token_s = now
+        self.osl_seen += n
+
+    def finish(self, status: int) -> None:
+        """Record the outcome (HTTP ``status``; 499 = client went away)."""
+        if self.finished:
+            return
+        self.finished = True
+        now = self.clock()
+        self.metrics.in_flight.labels(self.endpoint).dec()
+        self.metrics.requests.labels(self.endpoint, str(status)).inc()
+        self.metrics.duration.labels(self.endpoint).observe(now - self.started_s)
+        if not self.request_id:
+            return  # rejected before it reached the pipeline
+        osl = self.final.usage.completion_tokens if self.final is not None else self.osl_seen
+        if status == 200:
+            self.metrics.osl.labels(self.model).observe(osl)
+        if self.publish is not None:
+            self.publish(self._record(status, now, osl))
+
+    def _record(self, status: int, now: float, osl: int) -> RequestMetrics:
+        ttft_ms = (self.first_token_s - self.started_s) * 1000 if self.first_token_s is not None else 0.0
+        itl_ms = 0.0
+        if self.first_token_s is not None and self.osl_seen > 1:
+            # Mean ITL = decode span / (tokens after the first).
+            itl_ms = (self.last_token_s - self.first_token_s) * 1000 / (self.osl_seen - 1)  # type: ignore[operator]
+        final = self.final
+        return RequestMetrics(
+            ts_ms=now_ms(), request_id=self.request_id, model=self.model,
+            worker_id=final.worker_id if final is not None else "", isl=self.isl, osl=osl,
+            ttft_ms=ttft_ms, itl_ms=itl_ms, e2e_ms=(now - self.started_s) * 1000,
+            cached_tokens=final.usage.cached_tokens if final is not None else 0,
+            ok=status == 200 and (final is None or final.error is None), source="bridge",
+        )
+
+
+class MetricsPublisher:
+    """Produces :class:`RequestMetrics` to the metrics topic, fire-and-forget.
+
+    :meth:`publish` never raises and never waits: each send runs as its own
+    task; failures are logged. :meth:`drain` waits for the sends in flight
+    (call before stopping the producer).
+    """
+
+    def __init__(self, producer: AIOKafkaProducer, catalog: Catalog) -> None:
+        self.producer = producer
+        self.topic = catalog.metrics.name
+        self._tasks: set[asyncio.Task] = set()
+
+    def publish(self, record: RequestMetrics) -> None:
+        """Queue ``record`` for the metrics topic (key: worker id)."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._send(record))
+        except RuntimeError:
+            log.warning("no event loop; dropping metrics of %s", record.request_id)
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, record: RequestMetrics) -> None:
+        try:
+            await self.producer.send_and_wait(self.topic, encode(record), key=record.worker_id.encode())
+        except Exception:  # noqa: BLE001 - metrics must never fail a request
+            log.warning("could not publish metrics of %s", record.request_id, exc_info=True)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait up to ``timeout_s`` for sends in flight."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)

@@ -1,0 +1,256 @@
+"""The request path shared by ``/v1/chat/completions`` and ``/v1/completions``.
+
+Steps, in order: read the body (size limit) → parse and validate → check the
+model against the live-worker projection (404/503) → pre-tokenize with the
+workers' tokenizer (413 over ``max_prompt_tokens``) → build the
+:class:`InferenceRequest` → send it through the response source and wait for
+the first record → answer with one JSON object or an SSE stream.
+
+Waiting for the first record before answering means failures that happen
+before any token (a worker error, a timeout) get their real HTTP status
+instead of a 200 followed by an error event.
+
+If the client disconnects mid-stream the bridge stops reading the request's
+records; the worker still finishes the request (no abort record is sent yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka.errors import KafkaError
+from fastapi import Request, Response
+
+from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, RequestKind, TokenDelta, now_ms
+from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
+from kvflow.streams.bridge.body import read_body
+from kvflow.streams.bridge.errors import (
+    BridgeError,
+    error_response,
+    from_error_info,
+    invalid_request,
+    model_not_found,
+    no_live_workers,
+    payload_too_large,
+    request_timeout,
+)
+from kvflow.streams.bridge.metrics import STATUS_CLIENT_CLOSED, RequestObserver
+from kvflow.streams.bridge.openai_format import (
+    ResponseMeta,
+    chat_completion,
+    chat_messages,
+    check_supported,
+    parse_body,
+    text_completion,
+    to_inference_request,
+)
+from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse
+from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
+from kvflow.streams.bridge.worker_registry import ModelState
+from kvflow.streams.client import RequestTimeout
+
+__all__ = ["ENDPOINTS", "Prepared", "prepare", "serve"]
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {RequestKind.chat: "chat", RequestKind.completion: "completions"}
+"""Endpoint label of each request kind (Prometheus ``endpoint``)."""
+
+_ID_PREFIX = {RequestKind.chat: "chatcmpl-", RequestKind.completion: "cmpl-"}
+
+Body = ChatCompletionRequest | CompletionRequest
+Events = AsyncIterator[TokenDelta | FinalResponse]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated body and the request record built from it.
+
+    ``echo_text`` is the prompt text to prepend (completions with ``echo``).
+    """
+
+    body: Body
+    request: InferenceRequest
+    meta: ResponseMeta
+    echo_text: str = ""
+
+
+def _tokenizer_spec(state: BridgeState, model: str) -> str:
+    status = state.registry.model_state(model)
+    if status is ModelState.unknown:
+        raise model_not_found(model)
+    spec = state.registry.tokenizer_spec(model) if status is ModelState.serving else None
+    if spec is None:
+        raise no_live_workers(model, state.retry_after_s)
+    return spec
+
+
+async def _load_tokenizer(state: BridgeState, spec: str) -> Any:
+    try:
+        return await state.tokenizers.get(spec)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a server-side problem
+        log.error("cannot load tokenizer %r: %s", spec, exc)
+        raise BridgeError(500, f"The bridge cannot load the tokenizer `{spec}` its workers advertise.",
+                          "server_error", code="tokenizer_unavailable") from None
+
+
+async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: Any) -> tuple[list[int], str]:
+    """Prompt ids (shape [ISL]) and the echo text of ``body``."""
+    if messages is not None:
+        return await encode_chat(tokenizer, messages), ""
+    assert isinstance(body, CompletionRequest)
+    if isinstance(body.prompt, str):
+        ids = await encode_prompt(tokenizer, body.prompt)
+        return ids, body.prompt if body.echo else ""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    bad = [t for t in body.prompt if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise invalid_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}).", param="prompt")
+    return list(body.prompt), tokenizer.decode(body.prompt) if body.echo else ""
+
+
+async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) -> Prepared:
+    """Read, validate and tokenize one HTTP request into an :class:`InferenceRequest`.
+
+    Raises:
+        BridgeError: 400 bad body/unsupported feature, 404 unknown model,
+            413 body or prompt too large, 503 no live worker, 500 tokenizer
+            cannot be loaded.
+    """
+    raw = await read_body(http_request, state.max_body_bytes)
+    body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
+    check_supported(kind, data)
+    messages = chat_messages(body) if kind is RequestKind.chat else None
+    tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
+    token_ids, echo_text = await _tokenize(body, messages, tokenizer)
+    limit = state.settings.max_prompt_tokens
+    if len(token_ids) > limit:
+        raise payload_too_large(f"The prompt has {len(token_ids)} tokens; the limit is {limit}.",
+                                param="messages" if messages is not None else "prompt")
+    if not token_ids:
+        raise invalid_request("The prompt is empty.", param="prompt")
+    request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
+    created_ms = now_ms()
+    request = to_inference_request(body, request_id=request_id, reply_to=state.source.reply_to,
+                                   token_ids=token_ids, created_ms=created_ms,
+                                   timeout_s=state.settings.request_timeout_s, messages=messages)
+    return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
+                    echo_text)
+
+
+async def _next_record(events: Events, state: BridgeState, request_id: str) -> TokenDelta | FinalResponse:
+    """The next response record, with transport failures as :class:`BridgeError`."""
+    try:
+        return await events.__anext__()
+    except RequestTimeout:
+        raise request_timeout(request_id, state.settings.request_timeout_s) from None
+    except StopAsyncIteration:
+        raise BridgeError(502, f"The response stream of {request_id} ended without a final record.",
+                          "server_error", code="incomplete_response") from None
+    except KafkaError as exc:
+        raise BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
+                          code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
+
+
+def _outcome(observer: RequestObserver, stream_error: BridgeError | None) -> int:
+    if stream_error is not None:
+        return stream_error.status
+    final = observer.final
+    if final is not None and final.error is not None:
+        return from_error_info(final.error).status
+    return 200
+
+
+async def _close(*gens: Any) -> None:
+    for gen in gens:
+        with contextlib.suppress(Exception):
+            await gen.aclose()
+
+
+def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, events: Events,
+            observer: RequestObserver) -> Response:
+    stream_error: list[BridgeError] = []
+
+    async def records() -> Events:
+        record = first
+        yield record
+        while not isinstance(record, FinalResponse):
+            try:
+                record = await _next_record(events, state, p.request.request_id)
+            except BridgeError as err:
+                stream_error.append(err)
+                raise
+            observer.on_event(record)
+            yield record
+
+    include_usage = bool(p.body.stream_options and p.body.stream_options.include_usage)
+    recs = records()
+    if isinstance(p.body, ChatCompletionRequest):
+        sse = chat_sse(p.meta, recs, include_usage)
+    else:
+        sse = completion_sse(p.meta, recs, include_usage, p.echo_text)
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in sse:
+            yield chunk
+        observer.finish(_outcome(observer, stream_error[0] if stream_error else None))
+
+    stream_body = body()
+
+    async def on_close() -> None:
+        # Runs after completion and after a disconnect: releases the
+        # response-source subscription and counts an unfinished stream as 499.
+        await _close(stream_body, sse, recs, events)
+        observer.finish(STATUS_CLIENT_CLOSED)
+
+    return EventStreamResponse(stream_body, on_close, headers={"X-Request-Id": p.request.request_id})
+
+
+async def serve(state: BridgeState, http_request: Request, kind: RequestKind) -> Response:
+    """Answer one inference request: JSON object, SSE stream, or OpenAI error.
+
+    Never raises for client mistakes; unexpected exceptions propagate to the
+    app's last-resort handler (500).
+    """
+    observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics)
+    events: Events | None = None
+    request_id = ""
+    try:
+        p = await prepare(state, http_request, kind)
+        request_id = p.request.request_id
+        observer.submitted(request_id, p.body.model, len(p.request.token_ids or ()))
+        events = state.source.stream(p.request)
+        record = await _next_record(events, state, request_id)
+        observer.on_event(record)
+        if isinstance(record, FinalResponse) and record.error is not None:
+            raise from_error_info(record.error)
+        if p.body.stream:
+            return _stream(state, p, record, events, observer)
+        while not isinstance(record, FinalResponse):
+            record = await _next_record(events, state, request_id)
+            observer.on_event(record)
+        if record.error is not None:
+            raise from_error_info(record.error)
+        await _close(events)
+        obj = chat_completion(record, p.meta) if kind is RequestKind.chat else text_completion(record, p.meta, p.echo_text)
+        observer.finish(200)
+        return Response(obj.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
+    except BridgeError as err:
+        observer.finish(err.status)
+        if events is not None:
+            await _close(events)
+        response = error_response(err)
+        if request_id:
+            response.headers["X-Request-Id"] = request_id
+        return response
+    except BaseException:
+        observer.finish(500)
+        if events is not None:
+            await _close(events)
+        raise

@@ -1,0 +1,18 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from kvflow.schemas import RequestKind
+from kvflow.streams.bridge.pipeline import serve
+from kvflow.streams.bridge.state import BridgeState, get_state
+
+router = APIRouter(tags=["chat"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: BridgeState = Depends(get_state)) -> Response:
+    """OpenAI Chat Completions: a ``chat.completion`` object, or an SSE stream
+    of ``chat.completion.chunk`` objects when ``stream`` is true."""
+    return await serve(state, request, RequestKind.chat)

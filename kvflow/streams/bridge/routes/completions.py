@@ -1,0 +1,18 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from kvflow.schemas import RequestKind
+from kvflow.streams.bridge.pipeline import serve
+from kvflow.streams.bridge.state import BridgeState, get_state
+
+router = APIRouter(tags=["completions"])
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: BridgeState = Depends(get_state)) -> Response:
+    """OpenAI (legacy) Completions: a ``text_completion`` object, or an SSE
+    stream of ``text_completion`` chunks when ``stream`` is true."""
+    return await serve(state, request, RequestKind.completion)

@@ -1,0 +1,148 @@
+"""Server-sent events: framing, the record → chunk stream, and the response class.
+
+An OpenAI stream is a sequence of ``data: <json>\\n\\n`` events ending with
+``data: [DONE]\\n\\n``. :func:`chat_sse`/:func:`completion_sse` turn the
+response records of one request into those events; an error after the
+stream started (the status line is already sent) becomes one
+``data: {"error": {...}}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvflow.schemas import FinalResponse, TokenDelta
+from kvflow.streams.bridge.errors import BridgeError, from_error_info
+from kvflow.streams.bridge.openai_format import (
+    ResponseMeta,
+    chat_finish_chunk,
+    chat_role_chunk,
+    chat_text_chunk,
+    chat_usage_chunk,
+    completion_finish_chunk,
+    completion_text_chunk,
+    completion_usage_chunk,
+)
+
+__all__ = ["DONE", "sse_event", "chat_sse", "completion_sse", "EventStreamResponse", "SSE_HEADERS"]
+
+DONE = b"data: [DONE]\n\n"
+"""The event that ends every OpenAI stream."""
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""Headers that keep proxies from buffering the stream."""
+
+Records = AsyncIterator[TokenDelta | FinalResponse]
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
+    """One ``data:`` event carrying ``payload`` as compact JSON (UTF-8)."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    else:
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + data.encode() + b"\n\n"
+
+
+async def _final_events(records: Records, text_chunk: Callable[[str], BaseModel],
+                        finish: Callable[[FinalResponse], list[BaseModel]]) -> AsyncIterator[bytes]:
+    try:
+        async for record in records:
+            if isinstance(record, TokenDelta):
+                if record.text:  # empty while a multi-byte character is incomplete
+                    yield sse_event(text_chunk(record.text))
+                continue
+            if record.error is not None:
+                yield sse_event(from_error_info(record.error).body())
+            else:
+                for chunk in finish(record):
+                    yield sse_event(chunk)
+            break
+    except BridgeError as err:
+        yield sse_event(err.body())
+    yield DONE
+
+
+def chat_sse(meta: ResponseMeta, records: Records, include_usage: bool = False) -> AsyncIterator[bytes]:
+    """``chat.completion.chunk`` events: the role chunk, one chunk per
+    non-empty delta text, the ``finish_reason`` chunk (with ``kvflow``), the
+    usage chunk if ``include_usage``, then ``[DONE]``.
+
+    ``records`` may raise :class:`BridgeError` (e.g. a timeout); it becomes
+    an error event.
+    """
+
+    def finish(final: FinalResponse) -> list[BaseModel]:
+        chunks: list[BaseModel] = [chat_finish_chunk(meta, final)]
+        if include_usage:
+            chunks.append(chat_usage_chunk(meta, final))
+        return chunks
+
+    async def events() -> AsyncIterator[bytes]:
+        yield sse_event(chat_role_chunk(meta))
+        async for event in _final_events(records, lambda text: chat_text_chunk(meta, text), finish):
+            yield event
+
+    return events()
+
+
+def completion_sse(meta: ResponseMeta, records: Records, include_usage: bool = False,
+                   echo_text: str = "") -> AsyncIterator[bytes]:
+    """``text_completion`` chunk events: ``echo_text`` first if given, one
+    chunk per non-empty delta text, the ``finish_reason`` chunk (with
+    ``kvflow``), the usage chunk if ``include_usage``, then ``[DONE]``."""
+
+    def finish(final: FinalResponse) -> list[BaseModel]:
+        chunks: list[BaseModel] = [completion_finish_chunk(meta, final)]
+        if include_usage:
+            chunks.append(completion_usage_chunk(meta, final))
+        return chunks
+
+    async def events() -> AsyncIterator[bytes]:
+        if echo_text:
+            yield sse_event(completion_text_chunk(meta, echo_text))
+        async for event in _final_events(records, lambda text: completion_text_chunk(meta, text), finish):
+            yield event
+
+    return events()
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response that stops on client disconnect and
+    always runs ``on_close``.
+
+    The body is streamed while ``http.disconnect`` is awaited; whichever ends
+    first cancels the other (on every ASGI server version, unlike the
+    default that relies on ``send`` failing under ASGI 2.4). ``on_close``
+    runs shielded from cancellation after either outcome, even when the body
+    iterator never started, so per-request resources are always released.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream_then_stop() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()

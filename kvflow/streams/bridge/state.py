@@ -1,0 +1,91 @@
+"""What the bridge's routes share: settings, the live-worker projection, the
+response source, tokenizers and metrics.
+
+The Kafka-facing parts are fields of :class:`BridgeState`, so the HTTP layer
+can be mounted over any :class:`ResponseSource` (in production a started
+:class:`~kvflow.streams.client.KvflowClient`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastapi import Request
+
+from kvflow.schemas import FinalResponse, InferenceRequest, ReplyTo, RequestMetrics, TokenDelta
+from kvflow.settings import Settings
+from kvflow.streams.bridge.metrics import BridgeMetrics
+from kvflow.streams.bridge.tokenizers import TokenizerCache
+from kvflow.streams.bridge.worker_registry import WorkerRegistry
+
+__all__ = ["ResponseSource", "BridgeState", "get_state", "default_max_body_bytes"]
+
+
+class ResponseSource(Protocol):
+    """Sends a request and yields its response records
+    (:class:`~kvflow.streams.client.KvflowClient` is one).
+
+    ``stream`` yields :class:`TokenDelta` records then one
+    :class:`FinalResponse`, and raises
+    :class:`~kvflow.streams.client.RequestTimeout` when nothing arrives in time.
+    """
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        """Where responses to this source's requests are written."""
+
+    def stream(self, request: InferenceRequest) -> AsyncIterator[TokenDelta | FinalResponse]:
+        """Submit ``request`` and iterate its response records."""
+
+
+def default_max_body_bytes(max_prompt_tokens: int) -> int:
+    """Body size limit: 64 bytes per allowed prompt token, at least 1 MiB.
+
+    A token is ~4 characters of English text; JSON ``\\uXXXX`` escapes take
+    6 bytes per character, so 64 bytes/token leaves room for escaped CJK
+    text and chat framing while bounding what one request can make the
+    bridge buffer (2 MiB at the default 32768 tokens).
+    """
+    return max(1 << 20, 64 * max_prompt_tokens)
+
+
+@dataclass
+class BridgeState:
+    """Everything a bridge route needs (stored on ``app.state.bridge``).
+
+    ``publish_metrics`` takes each finished request's
+    :class:`RequestMetrics` (None: not published). ``max_body_bytes`` bounds
+    the request body (HTTP 413 above); ``retry_after_s`` is the
+    ``Retry-After`` of 503 answers, one worker TTL by default: by then a
+    starting worker has registered or a dead one has been expired.
+    """
+
+    settings: Settings
+    source: ResponseSource
+    registry: WorkerRegistry = field(default_factory=WorkerRegistry)
+    tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
+    metrics: BridgeMetrics = field(default_factory=BridgeMetrics)
+    publish_metrics: Callable[[RequestMetrics], None] | None = None
+    max_body_bytes: int = 0
+    retry_after_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            self.max_body_bytes = default_max_body_bytes(self.settings.max_prompt_tokens)
+        if self.retry_after_s <= 0:
+            self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
+
+
+def get_state(request: Request) -> BridgeState:
+    """FastAPI dependency: the :class:`BridgeState` of the serving app.
+
+    Raises:
+        RuntimeError: the app was built without a state (its lifespan did not run).
+    """
+    state = getattr(request.app.state, "bridge", None)
+    if state is None:
+        raise RuntimeError("bridge state missing: was the app started through its lifespan?")
+    return state
