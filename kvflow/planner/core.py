@@ -1,0 +1,495 @@
+"""The SLA planner's decision core. This module does zero I/O.
+
+One entry point: ``on_tick(state, tick) -> (state, effects)``. The adapter
+(the Kafka loop live, the simulator in replay, a test) queries the last
+interval's traffic, builds a :class:`TickInput`, calls :func:`on_tick`, and
+publishes :func:`scaling_commands` of the returned :class:`PlannerEffects`.
+The old state is never mutated, so a tick can be replayed or inspected.
+
+Per tick, for each pool:
+
+1. **Observe.** Feed the interval's request rate, mean ISL and mean OSL to the
+   load predictors; note the KV hit rate (cached / ISL tokens).
+2. **Correct.** ``correction = observed latency / expected latency``, where
+   the expected latency is what the profile predicts at the per-replica load
+   just served (prefill: TTFT at ``rate * effective ISL / replicas`` tokens/s;
+   decode: ITL at ``rate * OSL / replicas`` tokens/s). It captures what the
+   profile misses (queueing, interference, a slower machine) and is clamped to
+   ``[correction_min, correction_max]``. Without traffic, or when a replica
+   was loaded past the profile's peak throughput (its latency then measures
+   its queue), the last factor stays.
+3. **Size.** Predict next interval's rate, ISL and OSL; divide the latency
+   target by the correction; take the profile's best per-replica throughput
+   meeting that corrected target
+   (:meth:`~kvflow.planner.interpolation.LatencySurface.best`):
+
+   * prefill replicas = ``ceil(rate * ISL * (1 - hit rate) / prefill tokens/s per replica)``
+   * decode replicas = ``ceil(rate * OSL / decode tokens/s per replica)``, at
+     context length ``ISL + OSL / 2`` (mean context over a request's decode).
+   * aggregated mode: one pool. ``aggregated_sizing="max"`` (default) takes
+     ``ceil(max(prefill need, decode need))``: the lower bound, exact when
+     decode tokens ride along in prefill steps (chunked prefill) at no cost.
+     ``"sum"`` takes ``ceil(prefill need + decode need)``: the upper bound,
+     when a replica's time is strictly shared between the two phases.
+
+4. **Bound.** Raise to the pool's minimum; apply anti-flapping: scale **up**
+   at once; scale **down** only after the need stayed below the current
+   target for ``scale_down_hold_intervals`` consecutive ticks, then to the
+   highest need seen in that run. Finally fit the GPU budget
+   (``max_gpus``, each replica costing ``<pool>_gpus_per_replica``): while over
+   budget, remove one replica from the pool that keeps the largest share of
+   its target (never below its minimum).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from kvflow.planner.interpolation import LatencySurface, OperatingPoint, PerfModel
+from kvflow.planner.predictors import PREDICTORS, LoadPredictor, make_predictor
+from kvflow.schemas.scaling import ScalingCommand
+from kvflow.schemas.workers import WorkerRole
+
+__all__ = [
+    "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction", "PoolDecision",
+    "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
+]
+
+_EPS = 1e-9
+
+
+class PlannerMode(str, Enum):
+    """``disaggregated``: separate prefill and decode pools; ``aggregated``: one pool doing both."""
+
+    aggregated = "aggregated"
+    disaggregated = "disaggregated"
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """SLA planner settings. Invalid values raise ``ValueError`` at construction.
+
+    Attributes:
+        ttft_ms: TTFT target, ms. Defaults to 500.
+        itl_ms: ITL target, ms. Defaults to 50.
+        adjustment_interval_s: seconds between ticks (the adapter schedules
+            them; the core uses each observation's own duration). Defaults to 60.
+        mode: pools to size. Defaults to disaggregated.
+        predictor: load predictor name (:data:`~kvflow.planner.predictors.PREDICTORS`).
+            Defaults to ``"constant"``.
+        predictor_kwargs: constructor arguments for every load predictor.
+        min_prefill_replicas / min_decode_replicas / min_aggregated_replicas:
+            lower bounds per pool. Default 1 each.
+        prefill_gpus_per_replica / decode_gpus_per_replica /
+            aggregated_gpus_per_replica: GPUs one replica uses. Default 1 each.
+        max_gpus: GPUs all pools may use together (with 1 GPU per replica this
+            is the total replica cap). Defaults to 8.
+        scale_down_hold_intervals: consecutive ticks a lower need must persist
+            before scaling down. Defaults to 3.
+        correction_min / correction_max: clamp of the correction factors.
+            Default 0.5 and 4.0.
+        aggregated_sizing: ``"max"`` or ``"sum"`` of prefill and decode needs
+            in aggregated mode (see module docstring). Defaults to ``"max"``.
+    """
+
+    ttft_ms: float = 500.0
+    itl_ms: float = 50.0
+    adjustment_interval_s: float = 60.0
+    mode: PlannerMode = PlannerMode.disaggregated
+    predictor: str = "constant"
+    predictor_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    min_prefill_replicas: int = 1
+    min_decode_replicas: int = 1
+    min_aggregated_replicas: int = 1
+    prefill_gpus_per_replica: int = 1
+    decode_gpus_per_replica: int = 1
+    aggregated_gpus_per_replica: int = 1
+    max_gpus: int = 8
+    scale_down_hold_intervals: int = 3
+    correction_min: float = 0.5
+    correction_max: float = 4.0
+    aggregated_sizing: str = "max"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", PlannerMode(self.mode))
+        problems = []
+        if self.ttft_ms <= 0 or self.itl_ms <= 0 or self.adjustment_interval_s <= 0:
+            problems.append("ttft_ms, itl_ms and adjustment_interval_s must be > 0")
+        if self.predictor not in PREDICTORS:
+            problems.append(f"predictor must be one of {sorted(PREDICTORS)}")
+        if min(self.min_prefill_replicas, self.min_decode_replicas, self.min_aggregated_replicas) < 0:
+            problems.append("minimum replicas must be >= 0")
+        if min(self.prefill_gpus_per_replica, self.decode_gpus_per_replica, self.aggregated_gpus_per_replica) < 1:
+            problems.append("GPUs per replica must be >= 1")
+        if self.scale_down_hold_intervals < 1:
+            problems.append("scale_down_hold_intervals must be >= 1")
+        if not (0 < self.correction_min <= 1 <= self.correction_max):
+            problems.append("need 0 < correction_min <= 1 <= correction_max")
+        if self.aggregated_sizing not in ("max", "sum"):
+            problems.append("aggregated_sizing must be 'max' or 'sum'")
+        floor_gpus = sum(self.min_replicas(p) * self.gpus_per_replica(p) for p in self.pools)
+        if floor_gpus > self.max_gpus:
+            problems.append(f"minimum replicas need {floor_gpus} GPUs > max_gpus={self.max_gpus}")
+        if problems:
+            raise ValueError("invalid PlannerConfig: " + "; ".join(problems))
+
+    @property
+    def pools(self) -> tuple[WorkerRole, ...]:
+        """Pools this mode sizes, in decision order."""
+        if self.mode is PlannerMode.aggregated:
+            return (WorkerRole.aggregated,)
+        return (WorkerRole.prefill, WorkerRole.decode)
+
+    def min_replicas(self, pool: WorkerRole) -> int:
+        """Lower bound of ``pool``."""
+        return getattr(self, f"min_{WorkerRole(pool).value}_replicas")
+
+    def gpus_per_replica(self, pool: WorkerRole) -> int:
+        """GPUs one replica of ``pool`` uses."""
+        return getattr(self, f"{WorkerRole(pool).value}_gpus_per_replica")
+
+
+@dataclass(frozen=True)
+class TrafficObservation:
+    """Traffic over the interval that just ended.
+
+    ``num_requests`` finished in ``duration_s`` seconds; means are over those
+    requests (``None`` when there were none): ISL/OSL/cached in tokens,
+    latencies in ms. Built from ClickHouse by
+    :meth:`kvflow.planner.queries.IntervalAggregates.to_observation`.
+    """
+
+    duration_s: float
+    num_requests: int
+    mean_isl: float | None = None
+    mean_osl: float | None = None
+    mean_ttft_ms: float | None = None
+    mean_itl_ms: float | None = None
+    mean_cached_tokens: float | None = None
+
+    @property
+    def request_rate_per_s(self) -> float:
+        """Finished requests per second."""
+        return self.num_requests / self.duration_s if self.duration_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TickInput:
+    """What the adapter hands the core each tick.
+
+    ``now_ms``: tick time, epoch ms (wall or simulated clock).
+    ``current_replicas``: replicas per pool now running (a missing pool counts 0).
+    """
+
+    now_ms: int
+    traffic: TrafficObservation
+    current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Next interval's predicted load: requests/s, mean ISL and OSL (tokens,
+    ``None`` before any traffic), and the KV hit rate (fraction of prompt
+    tokens served from cache; last observed value)."""
+
+    request_rate_per_s: float
+    isl: float | None
+    osl: float | None
+    kv_hit_rate: float
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    """The planner's decision for one pool.
+
+    ``needed_replicas`` is what the load requires (after the minimum);
+    ``target_replicas`` what to run now (after anti-flapping and the GPU
+    budget). ``demand_tokens_per_s`` is the pool's predicted token load and
+    ``point`` the per-replica operating point it was sized with (``None``
+    without load).
+    """
+
+    pool: WorkerRole
+    current_replicas: int
+    needed_replicas: int
+    target_replicas: int
+    demand_tokens_per_s: float
+    point: OperatingPoint | None
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        """Whether the target differs from what runs now."""
+        return self.target_replicas != self.current_replicas
+
+
+@dataclass(frozen=True)
+class PlannerEffects:
+    """What one tick decided: a target per pool, the prediction it used, and
+    the correction factors (observed / expected latency) it applied."""
+
+    now_ms: int
+    next_tick_ms: int
+    decisions: tuple[PoolDecision, ...]
+    prediction: Prediction
+    prefill_correction: float
+    decode_correction: float
+
+    def target(self, pool: WorkerRole) -> int:
+        """Target replicas of ``pool``.
+
+        Raises:
+            KeyError: ``pool`` is not planned in this mode.
+        """
+        for d in self.decisions:
+            if d.pool == pool:
+                return d.target_replicas
+        raise KeyError(pool)
+
+
+@dataclass(frozen=True)
+class LoadPredictors:
+    """One predictor per load signal: request rate (req/s), mean ISL, mean OSL (tokens)."""
+
+    rate: LoadPredictor
+    isl: LoadPredictor
+    osl: LoadPredictor
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """Everything the core carries between ticks (treat as immutable).
+
+    ``targets``: last target per pool (absent before the first tick);
+    ``down_runs``: needs below target seen on consecutive ticks, per pool.
+    """
+
+    config: PlannerConfig
+    perf: PerfModel
+    predictors: LoadPredictors
+    targets: Mapping[WorkerRole, int] = field(default_factory=dict)
+    down_runs: Mapping[WorkerRole, tuple[int, ...]] = field(default_factory=dict)
+    prefill_correction: float = 1.0
+    decode_correction: float = 1.0
+    kv_hit_rate: float = 0.0
+    num_ticks: int = 0
+
+
+def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
+    """A fresh planner: empty predictors, corrections 1.0, no targets yet.
+
+    Raises:
+        ImportError: ``config.predictor`` is ``"prophet"`` without the optional package.
+    """
+    def new() -> LoadPredictor:
+        return make_predictor(config.predictor, **dict(config.predictor_kwargs))
+    return PlannerState(config=config, perf=perf, predictors=LoadPredictors(new(), new(), new()))
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - _EPS))
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, x))
+
+
+def _observe(preds: LoadPredictors, traffic: TrafficObservation) -> None:
+    preds.rate.observe(traffic.request_rate_per_s)
+    if traffic.num_requests > 0:
+        if traffic.mean_isl is not None:
+            preds.isl.observe(traffic.mean_isl)
+        if traffic.mean_osl is not None:
+            preds.osl.observe(traffic.mean_osl)
+
+
+def _hit_rate(traffic: TrafficObservation, previous: float) -> float:
+    if traffic.num_requests > 0 and traffic.mean_isl and traffic.mean_cached_tokens is not None:
+        return _clamp(traffic.mean_cached_tokens / traffic.mean_isl, 0.0, 1.0)
+    return previous
+
+
+def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float, observed_ms: float,
+                previous: float, cfg: PlannerConfig) -> float:
+    """Observed / expected latency at one replica's load; ``previous`` when the
+    replica was past the profile's peak throughput (its latency then measures
+    its queue, not the profile's error, and the demand term already adds replicas)."""
+    if load_tokens_per_s > surface.max_throughput(length):
+        return previous
+    expected = surface.latency_at_throughput(length, load_tokens_per_s)
+    return _clamp(observed_ms / expected, cfg.correction_min, cfg.correction_max)
+
+
+def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:
+    """Prefill (TTFT) and decode (ITL) correction factors from the interval just served."""
+    cfg, perf, t = state.config, state.perf, tick.traffic
+    p_corr, d_corr = state.prefill_correction, state.decode_correction
+    if t.num_requests == 0 or not t.mean_isl:
+        return p_corr, d_corr
+    agg = cfg.mode is PlannerMode.aggregated
+    n_p = tick.current_replicas.get(WorkerRole.aggregated if agg else WorkerRole.prefill, 0)
+    n_d = tick.current_replicas.get(WorkerRole.aggregated if agg else WorkerRole.decode, 0)
+    rate = t.request_rate_per_s
+    eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
+    if t.mean_ttft_ms is not None and n_p > 0:
+        p_corr = _correction(perf.prefill, eff_isl, rate * eff_isl / n_p, t.mean_ttft_ms, p_corr, cfg)
+    if t.mean_itl_ms is not None and t.mean_osl and n_d > 0:
+        d_corr = _correction(perf.decode, t.mean_isl + t.mean_osl / 2, rate * t.mean_osl / n_d,
+                             t.mean_itl_ms, d_corr, cfg)
+    return p_corr, d_corr
+
+
+def _predict(preds: LoadPredictors, hit_rate: float) -> Prediction:
+    def maybe(p: LoadPredictor) -> float | None:
+        return max(0.0, p.predict()) if p.num_observations else None
+    return Prediction(request_rate_per_s=max(0.0, preds.rate.predict()), isl=maybe(preds.isl),
+                      osl=maybe(preds.osl), kv_hit_rate=hit_rate)
+
+
+@dataclass(frozen=True)
+class _Need:
+    replicas: float  # fractional
+    demand_tokens_per_s: float
+    point: OperatingPoint | None
+    note: str
+
+
+def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: float) -> tuple[_Need, _Need]:
+    """Fractional prefill and decode replicas for the predicted load."""
+    cfg, perf = state.config, state.perf
+    if pred.request_rate_per_s <= 0 or pred.isl is None or pred.osl is None:
+        idle = _Need(0.0, 0.0, None, "no predicted load")
+        return idle, idle
+    rate = pred.request_rate_per_s
+    eff_isl = max(1.0, pred.isl * (1.0 - pred.kv_hit_rate))
+    ttft_goal = cfg.ttft_ms / p_corr
+    p_point = perf.prefill.best(eff_isl, ttft_goal)
+    p_demand = rate * eff_isl
+    prefill = _Need(p_demand / p_point.throughput_tokens_per_s, p_demand, p_point,
+                    f"{rate:.2f} req/s x {eff_isl:.0f} new tok = {p_demand:.0f} tok/s; "
+                    f"{p_point.throughput_tokens_per_s:.0f} tok/s/replica at TTFT {p_point.latency_ms:.1f} ms "
+                    f"(goal {ttft_goal:.1f} = {cfg.ttft_ms:g}/{p_corr:.2f}"
+                    f"{'' if p_point.meets_target else ', unreachable'})")
+    itl_goal = cfg.itl_ms / d_corr
+    d_point = perf.decode.best(pred.isl + pred.osl / 2, itl_goal)
+    d_demand = rate * pred.osl
+    decode = _Need(d_demand / d_point.throughput_tokens_per_s, d_demand, d_point,
+                   f"{rate:.2f} req/s x {pred.osl:.0f} out tok = {d_demand:.0f} tok/s; "
+                   f"{d_point.throughput_tokens_per_s:.0f} tok/s/replica at ITL {d_point.latency_ms:.2f} ms "
+                   f"(goal {itl_goal:.2f} = {cfg.itl_ms:g}/{d_corr:.2f}"
+                   f"{'' if d_point.meets_target else ', unreachable'})")
+    return prefill, decode
+
+
+def _pool_needs(cfg: PlannerConfig, prefill: _Need, decode: _Need) -> dict[WorkerRole, _Need]:
+    if cfg.mode is PlannerMode.disaggregated:
+        return {WorkerRole.prefill: prefill, WorkerRole.decode: decode}
+    combine = max if cfg.aggregated_sizing == "max" else (lambda a, b: a + b)
+    limiting = decode if decode.replicas >= prefill.replicas else prefill
+    return {WorkerRole.aggregated: _Need(
+        combine(prefill.replicas, decode.replicas), prefill.demand_tokens_per_s + decode.demand_tokens_per_s,
+        limiting.point,
+        f"{cfg.aggregated_sizing}(prefill {prefill.replicas:.2f}, decode {decode.replicas:.2f}); "
+        f"prefill: {prefill.note}; decode: {decode.note}")}
+
+
+def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...]) -> tuple[int, tuple[int, ...], str]:
+    """Anti-flapping: up at once, down after ``scale_down_hold_intervals`` lower ticks."""
+    if need > previous:
+        return need, (), f"scale up {previous} -> {need}"
+    if need == previous:
+        return need, (), f"hold at {need}"
+    run = run + (need,)
+    if len(run) >= cfg.scale_down_hold_intervals:
+        target = max(run)
+        return target, (), f"scale down {previous} -> {target} after {len(run)} intervals below"
+    return previous, run, f"hold at {previous}: need {need} for {len(run)}/{cfg.scale_down_hold_intervals} intervals"
+
+
+def _fit_budget(cfg: PlannerConfig, targets: dict[WorkerRole, int]) -> dict[WorkerRole, int]:
+    """Trim ``targets`` to ``max_gpus``, one replica at a time from the pool
+    keeping the largest share of its target; never below a pool's minimum."""
+    fitted = dict(targets)
+    def gpus() -> int:
+        return sum(n * cfg.gpus_per_replica(p) for p, n in fitted.items())
+    while gpus() > cfg.max_gpus:
+        trimmable = [p for p in cfg.pools if fitted[p] > cfg.min_replicas(p)]
+        pool = max(trimmable, key=lambda p: (fitted[p] / targets[p], fitted[p]))
+        fitted[pool] -= 1
+    return fitted
+
+
+def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, PlannerEffects]:
+    """Advance the planner by one interval.
+
+    Args:
+        state: the state returned by the previous call (or :func:`initial_state`).
+        tick: the interval's traffic and the replicas now running.
+
+    Returns:
+        The new state and the effects (targets per pool with reasons). The
+        input ``state`` is left unchanged.
+
+    Raises:
+        ValueError: the profile has no feasible point at the predicted lengths.
+    """
+    cfg = state.config
+    preds = copy.deepcopy(state.predictors)
+    _observe(preds, tick.traffic)
+    hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
+    p_corr, d_corr = _corrections(state, tick, hit_rate)
+    pred = _predict(preds, hit_rate)
+    needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr))
+
+    raw: dict[WorkerRole, int] = {}
+    held: dict[WorkerRole, int] = {}
+    runs: dict[WorkerRole, tuple[int, ...]] = {}
+    notes: dict[WorkerRole, str] = {}
+    for pool in cfg.pools:
+        current = int(tick.current_replicas.get(pool, 0))
+        raw[pool] = max(cfg.min_replicas(pool), _ceil(needs[pool].replicas))
+        previous = state.targets.get(pool, current)
+        held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()))
+    targets = _fit_budget(cfg, held)
+
+    decisions = []
+    for pool in cfg.pools:
+        reason = f"{pool.value}: {notes[pool]}; need {needs[pool].replicas:.2f} -> {raw[pool]} ({needs[pool].note})"
+        if targets[pool] != held[pool]:
+            reason += f"; GPU budget {cfg.max_gpus} caps {held[pool]} -> {targets[pool]}"
+        decisions.append(PoolDecision(
+            pool=pool, current_replicas=int(tick.current_replicas.get(pool, 0)), needed_replicas=raw[pool],
+            target_replicas=targets[pool], demand_tokens_per_s=needs[pool].demand_tokens_per_s,
+            point=needs[pool].point, reason=reason))
+
+    new_state = replace(state, predictors=preds, targets=targets, down_runs=runs, prefill_correction=p_corr,
+                        decode_correction=d_corr, kv_hit_rate=hit_rate, num_ticks=state.num_ticks + 1)
+    effects = PlannerEffects(
+        now_ms=tick.now_ms, next_tick_ms=tick.now_ms + int(cfg.adjustment_interval_s * 1000),
+        decisions=tuple(decisions), prediction=pred, prefill_correction=p_corr, decode_correction=d_corr)
+    return new_state, effects
+
+
+def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True) -> list[ScalingCommand]:
+    """Scaling records for a tick's decisions.
+
+    ``decision_id`` is ``"<now_ms>-<pool>"``: deterministic, so a replayed or
+    re-published tick yields the same ids and connectors (which apply each id
+    at most once) ignore the duplicates, while every tick gets new ids.
+
+    Args:
+        effects: the tick's effects.
+        only_changed: emit only pools whose target differs from what runs now.
+    """
+    return [
+        ScalingCommand(decision_id=f"{effects.now_ms}-{d.pool.value}", pool=d.pool,
+                       target_replicas=d.target_replicas, current_replicas=d.current_replicas,
+                       reason=d.reason, ts_ms=effects.now_ms)
+        for d in effects.decisions
+        if d.changed or not only_changed
+    ]

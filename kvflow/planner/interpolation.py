@@ -1,0 +1,180 @@
+"""Turn a profile into per-replica capacity under a latency target.
+
+A profile grid gives, at each (length, concurrency) point, a latency (TTFT for
+prefill, ITL for decode) and a per-replica throughput (tokens/s). For a
+length between profiled points, both are interpolated linearly along the
+length axis, then linearly along the concurrency axis at ``refine`` evenly
+spaced steps between adjacent profiled concurrencies (bilinear interpolation
+on the grid, evaluated on a finer concurrency grid).
+
+Two questions are answered:
+
+* :meth:`LatencySurface.best` — the highest per-replica throughput whose
+  latency meets a target (the operating point the planner sizes pools by);
+* :meth:`LatencySurface.latency_at_throughput` — the latency the profile
+  expects at a given per-replica load (the denominator of the planner's
+  correction factor).
+
+Clamping: a length outside the profiled range is clamped to the nearest
+profiled length (no extrapolation, so an ISL twice the longest profiled one is
+treated as the longest). Loads below the lowest profiled concurrency's
+throughput get that point's latency; loads above the best throughput get the
+latency at the best throughput. Infeasible grid cells (``None``) are never
+chosen, and an interpolated point next to one is infeasible too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.planner.profile import Profile
+
+__all__ = ["OperatingPoint", "LatencySurface", "PerfModel"]
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """One replica's operating point: ``concurrency`` sequences in flight give
+    ``latency_ms`` and ``throughput_tokens_per_s``; ``meets_target`` is false when
+    no feasible point met the target (then this is the lowest-latency point)."""
+
+    concurrency: float
+    latency_ms: float
+    throughput_tokens_per_s: float
+    meets_target: bool
+
+
+def _grid(values: Sequence[Sequence[float | None]]) -> np.ndarray:
+    return np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=float)
+
+
+class LatencySurface:
+    """Latency and throughput over a (length, concurrency) grid, interpolated linearly.
+
+    Args:
+        lengths: ascending lengths (ISL or context length), tokens; shape [L].
+        concurrency: ascending concurrencies; shape [C].
+        latency_ms: grid [L][C], ``None`` where infeasible.
+        throughput_tokens_per_s: grid [L][C], ``None`` where infeasible.
+        refine: evaluation steps between adjacent profiled concurrencies.
+
+    Raises:
+        ValueError: shapes disagree, axes not increasing, or ``refine < 1``.
+    """
+
+    def __init__(self, lengths: Sequence[float], concurrency: Sequence[float],
+                 latency_ms: Sequence[Sequence[float | None]],
+                 throughput_tokens_per_s: Sequence[Sequence[float | None]], refine: int = 16) -> None:
+        self.lengths = np.asarray(lengths, dtype=float)
+        self.concurrency = np.asarray(concurrency, dtype=float)
+        self.latency = _grid(latency_ms)
+        self.throughput = _grid(throughput_tokens_per_s)
+        shape = (len(self.lengths), len(self.concurrency))
+        if self.latency.shape != shape or self.throughput.shape != shape:
+            raise ValueError(f"grids must have shape {shape}")
+        if np.any(np.diff(self.lengths) <= 0) or np.any(np.diff(self.concurrency) <= 0):
+            raise ValueError("lengths and concurrency must be strictly increasing")
+        if refine < 1:
+            raise ValueError("refine must be >= 1")
+        self.refine = refine
+
+    def _row(self, length: float) -> tuple[np.ndarray, np.ndarray]:
+        """Latency and throughput at ``length`` (clamped) for every profiled concurrency."""
+        x = float(np.clip(length, self.lengths[0], self.lengths[-1]))
+        i = int(np.searchsorted(self.lengths, x, side="right")) - 1
+        if i >= len(self.lengths) - 1 or self.lengths[i] == x:
+            i = min(i, len(self.lengths) - 1)
+            return self.latency[i].copy(), self.throughput[i].copy()
+        w = (x - self.lengths[i]) / (self.lengths[i + 1] - self.lengths[i])
+        return ((1 - w) * self.latency[i] + w * self.latency[i + 1],
+                (1 - w) * self.throughput[i] + w * self.throughput[i + 1])
+
+    def curve(self, length: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Concurrency, latency (ms) and throughput (tokens/s) along the refined
+        concurrency grid at ``length``; each of shape [(C-1)*refine + 1]; NaN where infeasible."""
+        lat, thr = self._row(length)
+        if len(self.concurrency) == 1:
+            return self.concurrency.copy(), lat, thr
+        w = np.arange(self.refine) / self.refine
+        def fine(v: np.ndarray) -> np.ndarray:
+            inner = (1 - w)[None, :] * v[:-1, None] + w[None, :] * v[1:, None]
+            # An exact profiled point stays valid even when its neighbour is infeasible.
+            inner[:, 0] = v[:-1]
+            return np.concatenate([inner.ravel(), v[-1:]])
+        return fine(self.concurrency), fine(lat), fine(thr)
+
+    def best(self, length: float, latency_target_ms: float) -> OperatingPoint:
+        """Highest throughput at ``length`` whose latency is at most ``latency_target_ms``.
+
+        Raises:
+            ValueError: the profile has no feasible point at this length.
+        """
+        conc, lat, thr = self.curve(length)
+        valid = ~np.isnan(lat) & ~np.isnan(thr)
+        if not valid.any():
+            raise ValueError(f"profile has no feasible point at length {length}")
+        ok = valid & (lat <= latency_target_ms)
+        if ok.any():
+            k = int(np.argmax(np.where(ok, thr, -np.inf)))
+            return OperatingPoint(float(conc[k]), float(lat[k]), float(thr[k]), True)
+        k = int(np.argmin(np.where(valid, lat, np.inf)))
+        return OperatingPoint(float(conc[k]), float(lat[k]), float(thr[k]), False)
+
+    def max_throughput(self, length: float) -> float:
+        """Peak feasible per-replica throughput at ``length``, tokens/s.
+
+        Raises:
+            ValueError: the profile has no feasible point at this length.
+        """
+        _, lat, thr = self.curve(length)
+        valid = ~np.isnan(lat) & ~np.isnan(thr)
+        if not valid.any():
+            raise ValueError(f"profile has no feasible point at length {length}")
+        return float(thr[valid].max())
+
+    def latency_at_throughput(self, length: float, tokens_per_s: float) -> float:
+        """Latency the profile expects when one replica serves ``tokens_per_s`` at ``length``.
+
+        Walks the refined curve in increasing concurrency up to the peak
+        throughput and interpolates latency linearly in throughput; clamps
+        below the first and above the peak point (see module docstring).
+
+        Raises:
+            ValueError: the profile has no feasible point at this length.
+        """
+        conc, lat, thr = self.curve(length)
+        valid = ~np.isnan(lat) & ~np.isnan(thr)
+        if not valid.any():
+            raise ValueError(f"profile has no feasible point at length {length}")
+        lat, thr = lat[valid], thr[valid]
+        peak = int(np.argmax(thr))
+        lat, thr = lat[: peak + 1], thr[: peak + 1]
+        # Running max makes throughput non-decreasing for the inversion.
+        thr = np.maximum.accumulate(thr)
+        return float(np.interp(tokens_per_s, thr, lat))
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Prefill and decode surfaces of one engine profile.
+
+    ``prefill``: lengths are ISL (new tokens per prompt), latency is TTFT,
+    throughput counts prompt tokens/s per replica. ``decode``: lengths are
+    context length per sequence, latency is ITL, throughput counts output
+    tokens/s per replica.
+    """
+
+    prefill: LatencySurface
+    decode: LatencySurface
+
+    @classmethod
+    def from_profile(cls, profile: Profile, refine: int = 16) -> PerfModel:
+        """Build both surfaces from a :class:`~kvflow.planner.profile.Profile`."""
+        p, d = profile.prefill, profile.decode
+        return cls(
+            prefill=LatencySurface(p.isl, p.concurrency, p.ttft_ms, p.throughput_tokens_per_s, refine),
+            decode=LatencySurface(d.context_length, d.concurrency, d.itl_ms, d.throughput_tokens_per_s, refine),
+        )

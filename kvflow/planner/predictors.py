@@ -1,0 +1,256 @@
+"""Load predictors: forecast next interval's value of a scalar series.
+
+The planner keeps one predictor per load signal (request rate, mean ISL, mean
+OSL), feeds it one observation per adjustment interval and asks for the next
+interval's value. Every predictor has the same two-method interface
+(:class:`LoadPredictor`): ``observe(value)`` and ``predict() -> float``.
+
+* ``constant`` — the last observed value.
+* ``arima`` — a statsmodels ARIMA refitted on a sliding window.
+* ``kalman`` — a local-level or local-linear-trend Kalman filter in numpy.
+* ``prophet`` — Facebook Prophet (optional extra ``kvflow[prophet]``).
+
+Predictions are not clipped; a caller forecasting a non-negative quantity
+clips at 0 itself. Predictors are small plain objects, cheap to ``deepcopy``
+(the planner core copies them so that its tick function stays pure).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import warnings
+from collections import deque
+
+import numpy as np
+
+__all__ = [
+    "LoadPredictor", "ConstantPredictor", "ArimaPredictor", "KalmanPredictor", "ProphetPredictor",
+    "make_predictor", "PREDICTORS", "NotReadyError",
+]
+
+
+class NotReadyError(RuntimeError):
+    """``predict()`` was called before any observation."""
+
+
+class LoadPredictor(abc.ABC):
+    """Forecasts the next value of a series observed once per interval.
+
+    Subclasses implement :meth:`_forecast`; the base class keeps a bounded
+    history and ignores non-finite observations (a missing measurement is not
+    a zero).
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.history: deque[float] = deque(maxlen=window)
+        """The most recent ``window`` observations, oldest first."""
+
+    @property
+    def num_observations(self) -> int:
+        """Observations currently held (at most ``window``)."""
+        return len(self.history)
+
+    def observe(self, value: float) -> None:
+        """Record the value measured over the interval that just ended. NaN/inf are ignored."""
+        value = float(value)
+        if math.isfinite(value):
+            self.history.append(value)
+            self._on_observe(value)
+
+    def predict(self) -> float:
+        """Forecast the value for the next interval.
+
+        Raises:
+            NotReadyError: nothing was observed yet.
+        """
+        if not self.history:
+            raise NotReadyError(f"{type(self).__name__} has no observations")
+        return float(self._forecast())
+
+    def _on_observe(self, value: float) -> None:
+        """Hook for predictors with recursive state (Kalman)."""
+
+    @abc.abstractmethod
+    def _forecast(self) -> float:
+        """Next value; ``self.history`` is non-empty."""
+
+
+class ConstantPredictor(LoadPredictor):
+    """Predicts that the next interval looks like the last one."""
+
+    def _forecast(self) -> float:
+        return self.history[-1]
+
+
+class ArimaPredictor(LoadPredictor):
+    """ARIMA(p, d, q) refitted by maximum likelihood on the last ``window`` points.
+
+    The default order is (1, 1, 1) without a constant: one difference removes
+    a level or a linear trend (the AR(1) term on the differences then carries
+    the slope), and the MA(1) term smooths noise. On a noisy linear trend, a
+    noisy level and a step change it forecasts within a few percent of the
+    truth after ~20 points, which a drift term (``trend="t"``) does not beat
+    and overshoots on steps. Statsmodels: ``statsmodels.tsa.arima.model.ARIMA``.
+
+    Until ``min_points`` observations exist, and whenever the window is
+    constant or the fit fails or diverges, it returns the last value.
+
+    Args:
+        order: ARIMA (p, d, q).
+        trend: statsmodels trend code (``"n"`` none, ``"t"`` drift with d=1).
+        min_points: observations needed before fitting.
+        window: history kept (fit cost grows with it; ~10-40 ms at 64).
+    """
+
+    def __init__(self, order: tuple[int, int, int] = (1, 1, 1), trend: str = "n",
+                 min_points: int = 8, window: int = 64) -> None:
+        super().__init__(window)
+        self.order = tuple(order)
+        self.trend = trend
+        self.min_points = max(min_points, sum(self.order) + 2)
+
+    def _forecast(self) -> float:
+        last = self.history[-1]
+        y = np.fromiter(self.history, dtype=float)
+        if len(y) < self.min_points or np.ptp(y) == 0.0:
+            return last
+        from statsmodels.tsa.arima.model import ARIMA  # imported lazily: ~1 s import
+
+        try:
+            with warnings.catch_warnings():
+                # Convergence and start-parameter warnings are expected on short
+                # windows; a bad fit is caught by the sanity check below.
+                warnings.simplefilter("ignore")
+                fit = ARIMA(y, order=self.order, trend=self.trend).fit()
+                value = float(fit.forecast(1)[0])
+        except (ValueError, np.linalg.LinAlgError):
+            return last
+        # Reject a forecast further from the window than the window's own span.
+        span = float(np.ptp(y))
+        if not math.isfinite(value) or not (y.min() - span <= value <= y.max() + span):
+            return last
+        return value
+
+
+class KalmanPredictor(LoadPredictor):
+    """Kalman filter on a local-level (``trend=False``) or local-linear-trend model.
+
+    State ``x = [level, slope]``; transition ``F = [[1, 1], [0, 1]]``;
+    observation ``H = [1, 0]``; process noise ``Q = diag(level_noise,
+    slope_noise)``; observation noise ``R = obs_noise``. Predict:
+    ``x = F x``, ``P = F P F' + Q``; update: ``S = H P H' + R``,
+    ``K = P H' / S``, ``x = x + K (y - H x)``, ``P = (I - K H) P``. The
+    forecast is ``H F x``. Equations: Durbin & Koopman, *Time Series Analysis
+    by State Space Methods*, 2nd ed. (2012), sections 2.2 and 3.2 (local level
+    and local linear trend models); Harvey, *Forecasting, Structural Time Series
+    Models and the Kalman Filter* (1989), ch. 3.
+
+    Only the ratios ``level_noise/obs_noise`` and ``slope_noise/obs_noise``
+    matter: the gains do not depend on the data, so the filter is scale-free
+    (request counts of 5 or 5000 behave alike). The state starts at the first
+    observation (variance ``obs_noise``) with slope 0 and a diffuse slope
+    variance (``1e6 * obs_noise``), so the second point sets the slope.
+
+    Args:
+        trend: model a slope (local linear trend) or not (local level).
+        level_noise: level disturbance variance, relative to ``obs_noise``.
+        slope_noise: slope disturbance variance, relative to ``obs_noise``.
+        obs_noise: observation noise variance.
+        window: observations kept in ``history`` (the filter itself is recursive
+            and remembers everything through its state).
+    """
+
+    def __init__(self, trend: bool = True, level_noise: float = 0.1, slope_noise: float = 0.01,
+                 obs_noise: float = 1.0, window: int = 64) -> None:
+        super().__init__(window)
+        if obs_noise <= 0 or level_noise < 0 or slope_noise < 0:
+            raise ValueError("noise variances must be >= 0 (obs_noise > 0)")
+        k = 2 if trend else 1
+        self._F = np.array([[1.0, 1.0], [0.0, 1.0]])[:k, :k]
+        self._Q = np.diag([level_noise, slope_noise][:k])
+        self._R = float(obs_noise)
+        self._x: np.ndarray | None = None
+        self._P: np.ndarray | None = None
+
+    def _on_observe(self, value: float) -> None:
+        k = self._F.shape[0]
+        if self._x is None:
+            self._x = np.zeros(k)
+            self._x[0] = value
+            # Level known up to observation noise; slope unknown (diffuse).
+            self._P = np.diag([self._R, 1e6 * self._R][:k])
+            return
+        x = self._F @ self._x
+        P = self._F @ self._P @ self._F.T + self._Q
+        S = P[0, 0] + self._R
+        K = P[:, 0] / S
+        x = x + K * (value - x[0])
+        P = P - np.outer(K, P[0, :])
+        self._x, self._P = x, P
+
+    def _forecast(self) -> float:
+        return float((self._F @ self._x)[0])
+
+
+class ProphetPredictor(LoadPredictor):
+    """Facebook Prophet refitted on the window, with one point per ``interval_s``.
+
+    Needs the optional ``prophet`` package (``pip install 'kvflow[prophet]'``).
+    Returns the last value until ``min_points`` observations exist. Fits take
+    ~0.1-1 s; use for adjustment intervals of a minute or more.
+
+    Raises:
+        ImportError: at construction, when ``prophet`` is not installed.
+    """
+
+    def __init__(self, interval_s: float = 60.0, min_points: int = 10, window: int = 256) -> None:
+        try:
+            import prophet  # noqa: F401
+        except ImportError as exc:
+            raise ImportError("the 'prophet' predictor needs the optional prophet package: "
+                              "pip install 'kvflow[prophet]' (or choose constant, arima or kalman)") from exc
+        super().__init__(window)
+        self.interval_s = interval_s
+        self.min_points = min_points
+
+    def _forecast(self) -> float:
+        if len(self.history) < self.min_points:
+            return self.history[-1]
+        import logging
+
+        import pandas as pd
+        from prophet import Prophet
+
+        logging.getLogger("cmdstanpy").setLevel(logging.WARNING)
+        ds = pd.date_range("2000-01-01", periods=len(self.history) + 1, freq=pd.Timedelta(seconds=self.interval_s))
+        model = Prophet()
+        model.fit(pd.DataFrame({"ds": ds[:-1], "y": list(self.history)}))
+        return float(model.predict(pd.DataFrame({"ds": ds[-1:]}))["yhat"].iloc[0])
+
+
+PREDICTORS: dict[str, type[LoadPredictor]] = {
+    "constant": ConstantPredictor,
+    "arima": ArimaPredictor,
+    "kalman": KalmanPredictor,
+    "prophet": ProphetPredictor,
+}
+"""Predictor names accepted by :func:`make_predictor`."""
+
+
+def make_predictor(name: str, **kwargs) -> LoadPredictor:
+    """Build a predictor by name (``constant``, ``arima``, ``kalman``, ``prophet``).
+
+    ``kwargs`` go to the predictor's constructor (``window`` for all; see each class).
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: ``prophet`` without the optional package.
+    """
+    try:
+        cls = PREDICTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown predictor {name!r}; choose one of {sorted(PREDICTORS)}") from None
+    return cls(**kwargs)

@@ -1,0 +1,98 @@
+"""Interpolating profiles: hand-computed grids, clamping, infeasible cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.planner.interpolation import LatencySurface, PerfModel
+from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile
+
+
+@pytest.fixture
+def surface() -> LatencySurface:
+    # lengths 100/200 x concurrency 1/3; refine=2 adds the midpoint concurrency 2
+    return LatencySurface(
+        lengths=[100, 200], concurrency=[1, 3],
+        latency_ms=[[10, 30], [20, 60]],
+        throughput_tokens_per_s=[[100, 200], [150, 300]],
+        refine=2,
+    )
+
+
+def test_curve_is_bilinear(surface: LatencySurface):
+    conc, lat, thr = surface.curve(150)  # halfway between the rows
+    assert conc.tolist() == [1, 2, 3]
+    assert lat.tolist() == [15, 30, 45]
+    assert thr.tolist() == [125, 187.5, 250]
+
+
+def test_best_picks_highest_throughput_meeting_target(surface: LatencySurface):
+    p = surface.best(150, latency_target_ms=30)
+    assert (p.concurrency, p.latency_ms, p.throughput_tokens_per_s, p.meets_target) == (2, 30, 187.5, True)
+    p = surface.best(150, latency_target_ms=44.9)
+    assert (p.concurrency, p.throughput_tokens_per_s) == (2, 187.5)
+    assert surface.best(150, latency_target_ms=100).throughput_tokens_per_s == 250
+
+
+def test_best_unreachable_target_returns_lowest_latency(surface: LatencySurface):
+    p = surface.best(150, latency_target_ms=10)
+    assert (p.concurrency, p.latency_ms, p.throughput_tokens_per_s, p.meets_target) == (1, 15, 125, False)
+
+
+def test_lengths_outside_profile_are_clamped(surface: LatencySurface):
+    assert surface.best(50, 1000).latency_ms == 30  # clamped to length 100
+    assert surface.best(10_000, 1000).latency_ms == 60  # clamped to length 200
+    assert surface.best(10_000, 1000).throughput_tokens_per_s == 300
+
+
+def test_latency_at_throughput_inverts_the_curve(surface: LatencySurface):
+    # 156.25 tok/s lies halfway between c=1 (125 tok/s, 15 ms) and c=2 (187.5 tok/s, 30 ms)
+    assert surface.latency_at_throughput(150, 156.25) == pytest.approx(22.5)
+    assert surface.latency_at_throughput(150, 50) == 15  # below the first point: clamped
+    assert surface.latency_at_throughput(150, 1e9) == 45  # past the peak: clamped
+    assert surface.max_throughput(150) == 250
+
+
+def test_infeasible_cells_are_never_chosen():
+    s = LatencySurface([100, 200], [1, 2, 4],
+                       latency_ms=[[10, 20, 40], [20, 40, None]],
+                       throughput_tokens_per_s=[[100, 180, 300], [90, 160, None]], refine=4)
+    p = s.best(200, latency_target_ms=1000)
+    assert (p.concurrency, p.throughput_tokens_per_s) == (2, 160)  # exact profiled point next to a gap stays valid
+    p = s.best(150, latency_target_ms=1000)  # halfway row: c=4 is infeasible in one neighbour, so here too
+    assert (p.concurrency, p.throughput_tokens_per_s) == (2, 170)
+    assert s.best(100, latency_target_ms=1000).concurrency == 4
+
+
+def test_no_feasible_point_raises():
+    s = LatencySurface([100], [1, 2], latency_ms=[[None, None]], throughput_tokens_per_s=[[None, None]])
+    with pytest.raises(ValueError, match="no feasible point"):
+        s.best(100, 50)
+
+
+def test_single_concurrency_profile():
+    s = LatencySurface([100, 300], [1], latency_ms=[[10], [30]], throughput_tokens_per_s=[[1000], [3000]])
+    p = s.best(200, 25)
+    assert p.meets_target is True and p.latency_ms == 20 and p.throughput_tokens_per_s == 2000
+    assert s.best(200, 15).meets_target is False
+
+
+def test_bad_grids_are_rejected():
+    with pytest.raises(ValueError, match="shape"):
+        LatencySurface([1, 2], [1], latency_ms=[[1]], throughput_tokens_per_s=[[1], [2]])
+    with pytest.raises(ValueError, match="increasing"):
+        LatencySurface([2, 1], [1], latency_ms=[[1], [2]], throughput_tokens_per_s=[[1], [2]])
+
+
+def test_perf_model_from_profile_wires_prefill_and_decode():
+    profile = Profile(
+        engine="test",
+        prefill=PrefillProfile(isl=[100, 200], concurrency=[1, 3], ttft_ms=[[10, 30], [20, 60]],
+                               throughput_tokens_per_s=[[100, 200], [150, 300]]),
+        decode=DecodeProfile(context_length=[1000], concurrency=[1, 2], itl_ms=[[5, 7]],
+                             throughput_tokens_per_s=[[200, 285.0]], kv_usage=[[0.1, 0.2]]),
+    )
+    perf = PerfModel.from_profile(profile, refine=2)
+    assert perf.prefill.best(150, 30).throughput_tokens_per_s == 187.5
+    d = perf.decode.best(1000, 6)  # midpoint c=1.5: ITL 6 ms, 242.5 tok/s
+    assert (d.concurrency, d.latency_ms, d.throughput_tokens_per_s) == (1.5, 6, 242.5)

@@ -1,0 +1,216 @@
+"""The planner's pure decision core on a hand-made profile with round numbers.
+
+Profile (refine=1, so only profiled points are candidates):
+
+* prefill, any ISL: 1 prompt -> TTFT 100 ms at 10000 tok/s; 4 prompts -> 250 ms at 16000 tok/s
+  (ISL 2000 doubles the TTFTs);
+* decode, any context: 1 seq -> ITL 10 ms at 100 tok/s; 64 seqs -> 40 ms at 1600 tok/s.
+
+With TTFT target 300 ms and ITL target 50 ms a prefill replica serves 16000
+tok/s and a decode replica 1600 tok/s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.planner.core import (
+    PlannerConfig,
+    PlannerMode,
+    TickInput,
+    TrafficObservation,
+    initial_state,
+    on_tick,
+    scaling_commands,
+)
+from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile
+from kvflow.schemas.scaling import ScalingCommand
+from kvflow.schemas.workers import WorkerRole
+
+P, D, A = WorkerRole.prefill, WorkerRole.decode, WorkerRole.aggregated
+INTERVAL_S = 60
+
+
+@pytest.fixture(scope="module")
+def perf() -> PerfModel:
+    profile = Profile(
+        engine="test",
+        prefill=PrefillProfile(isl=[1000, 2000], concurrency=[1, 4], ttft_ms=[[100, 250], [200, 500]],
+                               throughput_tokens_per_s=[[10000, 16000], [10000, 16000]]),
+        decode=DecodeProfile(context_length=[1000, 2000], concurrency=[1, 64], itl_ms=[[10, 40], [10, 40]],
+                             throughput_tokens_per_s=[[100, 1600], [100, 1600]], kv_usage=[[0.01, 0.5]] * 2),
+    )
+    return PerfModel.from_profile(profile, refine=1)
+
+
+def cfg(**kw) -> PlannerConfig:
+    base = dict(ttft_ms=300, itl_ms=50, adjustment_interval_s=INTERVAL_S, max_gpus=16, scale_down_hold_intervals=3)
+    return PlannerConfig(**(base | kw))
+
+
+def traffic(rate: float, isl: float = 1000, osl: float = 200, ttft=None, itl=None, cached=None) -> TrafficObservation:
+    n = int(round(rate * INTERVAL_S))
+    return TrafficObservation(duration_s=INTERVAL_S, num_requests=n, mean_isl=isl if n else None,
+                              mean_osl=osl if n else None, mean_ttft_ms=ttft, mean_itl_ms=itl,
+                              mean_cached_tokens=cached)
+
+
+def run(state, rates, current=None, **obs):
+    """Tick once per rate, feeding each tick's targets back as the running replicas."""
+    current = dict(current or {p: 1 for p in state.config.pools})
+    history = []
+    for i, rate in enumerate(rates):
+        state, fx = on_tick(state, TickInput(now_ms=(i + 1) * INTERVAL_S * 1000, traffic=traffic(rate, **obs),
+                                             current_replicas=current))
+        current = {d.pool: d.target_replicas for d in fx.decisions}
+        history.append((fx, current))
+    return state, history
+
+
+def test_steady_load_sizes_pools_by_profile(perf):
+    # 10 req/s x 1000 tok = 10000 tok/s -> 0.625 prefill replica; 10 x 200 = 2000 tok/s -> 1.25 decode
+    _, hist = run(initial_state(cfg(), perf), [10])
+    fx, targets = hist[-1]
+    assert targets == {P: 1, D: 2}
+    d = {x.pool: x for x in fx.decisions}
+    assert d[P].point.throughput_tokens_per_s == 16000 and d[P].point.latency_ms == 250
+    assert d[D].demand_tokens_per_s == pytest.approx(2000)
+    assert fx.prediction.request_rate_per_s == pytest.approx(10)
+
+
+def test_burst_scales_up_immediately(perf):
+    # 50 req/s: prefill 50000/16000 = 3.125 -> 4; decode 10000/1600 = 6.25 -> 7
+    _, hist = run(initial_state(cfg(), perf), [10, 10, 50])
+    assert [h[1] for h in hist] == [{P: 1, D: 2}, {P: 1, D: 2}, {P: 4, D: 7}]
+    assert all("scale up" in d.reason for d in hist[-1][0].decisions)
+
+
+def test_scale_down_only_after_hold_period(perf):
+    _, hist = run(initial_state(cfg(scale_down_hold_intervals=3), perf), [50, 10, 10, 10, 10])
+    targets = [h[1] for h in hist]
+    assert targets == [{P: 4, D: 7}, {P: 4, D: 7}, {P: 4, D: 7}, {P: 1, D: 2}, {P: 1, D: 2}]
+    assert "1/3" in hist[1][0].decisions[0].reason and "scale down 4 -> 1" in hist[3][0].decisions[0].reason
+
+
+def test_scale_down_goes_to_highest_need_of_the_hold_run(perf):
+    # needs after the burst: decode 7 -> then 3, 5, 2 (rates 20, 35, 10); hold 3 -> scale to max(3, 5, 2) = 5
+    _, hist = run(initial_state(cfg(), perf), [50, 20, 35, 10])
+    assert [h[1][D] for h in hist] == [7, 7, 7, 5]
+
+
+def test_noise_does_not_flap(perf):
+    # decode need alternates 2 (14 req/s -> 1.75) and 3 (17 req/s -> 2.125)
+    _, hist = run(initial_state(cfg(), perf), [14, 17] * 10)
+    decode_targets = [h[1][D] for h in hist]
+    changes = sum(a != b for a, b in zip(decode_targets, decode_targets[1:]))
+    assert decode_targets[0] == 2 and changes == 1 and decode_targets[-1] == 3
+
+
+def test_kalman_predictor_also_holds_steady_under_noise(perf):
+    _, hist = run(initial_state(cfg(predictor="kalman", predictor_kwargs={"trend": False}), perf), [14, 17] * 10)
+    decode_targets = [h[1][D] for h in hist]
+    assert sum(a != b for a, b in zip(decode_targets, decode_targets[1:])) <= 1
+
+
+def test_gpu_budget_caps_targets_proportionally(perf):
+    _, hist = run(initial_state(cfg(max_gpus=6), perf), [50])
+    fx, targets = hist[-1]
+    assert targets == {P: 2, D: 4}  # wanted 4 + 7 = 11 GPUs; trimmed keeping ~ the 4:7 split
+    assert all("GPU budget 6" in d.reason for d in fx.decisions)
+    assert {d.pool: d.needed_replicas for d in fx.decisions} == {P: 4, D: 7}
+
+
+def test_gpu_budget_counts_gpus_per_replica(perf):
+    _, hist = run(initial_state(cfg(max_gpus=12, decode_gpus_per_replica=2), perf), [50])
+    targets = hist[-1][1]
+    assert targets[P] + 2 * targets[D] <= 12 and targets[P] >= 1 and targets[D] >= 1
+
+
+def test_minimums_hold_without_traffic(perf):
+    state = initial_state(cfg(min_prefill_replicas=2, min_decode_replicas=3), perf)
+    _, hist = run(state, [0, 0], current={P: 2, D: 3})
+    fx, targets = hist[-1]
+    assert targets == {P: 2, D: 3}
+    assert fx.prediction.isl is None and all(d.point is None for d in fx.decisions)
+
+
+def test_initial_overprovisioning_is_held_before_scaling_down(perf):
+    _, hist = run(initial_state(cfg(), perf), [10, 10, 10], current={P: 5, D: 5})
+    assert [h[1] for h in hist] == [{P: 5, D: 5}, {P: 5, D: 5}, {P: 1, D: 2}]
+
+
+def test_prefill_correction_tightens_ttft_goal(perf):
+    # 15 req/s on 1 prefill replica = 15000 tok/s: the profile expects 100 + 5000/6000 * 150 = 225 ms.
+    # Observed 450 ms -> correction 2 -> goal 150 ms -> only the 1-prompt point (10000 tok/s) -> 2 replicas.
+    state = initial_state(cfg(), perf)
+    state, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(15, ttft=450), current_replicas={P: 1, D: 2}))
+    assert fx.prefill_correction == pytest.approx(2.0)
+    assert fx.target(P) == 2
+    _, plain = on_tick(initial_state(cfg(), perf),
+                       TickInput(now_ms=1, traffic=traffic(15), current_replicas={P: 1, D: 2}))
+    assert plain.prefill_correction == 1.0 and plain.target(P) == 1
+
+
+def test_decode_correction_tightens_itl_goal(perf):
+    # 10 req/s x 200 = 2000 tok/s on 2 decode replicas = 1000 each: expected ITL 10 + 900/1500 * 30 = 28 ms
+    state = initial_state(cfg(max_gpus=64), perf)
+    _, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(10, itl=56), current_replicas={P: 1, D: 2}))
+    assert fx.decode_correction == pytest.approx(2.0)
+    assert fx.target(D) == 20  # goal 25 ms admits only 1 seq/replica: 2000 / 100
+
+
+def test_corrections_are_clamped_and_skip_overloaded_replicas(perf):
+    state = initial_state(cfg(correction_max=3.0), perf)
+    _, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(5, ttft=10_000), current_replicas={P: 1, D: 1}))
+    assert fx.prefill_correction == 3.0
+    # 50 req/s on one replica is 50000 tok/s, past its 16000 tok/s peak: its TTFT says nothing about the profile
+    _, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(50, ttft=10_000), current_replicas={P: 1, D: 7}))
+    assert fx.prefill_correction == 1.0
+
+
+def test_kv_hits_discount_prefill_demand(perf):
+    # 32 req/s x 1000 tok = 32000 tok/s -> 2 prefill replicas; half the prompt cached -> 16000 tok/s -> 1
+    _, cold = run(initial_state(cfg(), perf), [32])
+    _, warm = run(initial_state(cfg(), perf), [32], cached=500)
+    assert cold[-1][1][P] == 2 and warm[-1][1][P] == 1
+    assert warm[-1][0].prediction.kv_hit_rate == 0.5
+
+
+@pytest.mark.parametrize(("sizing", "expected"), [("max", 3), ("sum", 4)])
+def test_aggregated_mode_sizes_one_pool(perf, sizing, expected):
+    # 20 req/s: prefill need 20000/16000 = 1.25, decode 4000/1600 = 2.5
+    state = initial_state(cfg(mode=PlannerMode.aggregated, aggregated_sizing=sizing), perf)
+    _, hist = run(state, [20])
+    fx, targets = hist[-1]
+    assert targets == {A: expected}
+    assert [d.pool for d in fx.decisions] == [A]
+
+
+def test_on_tick_is_pure(perf):
+    state = initial_state(cfg(predictor="kalman"), perf)
+    tick = TickInput(now_ms=5, traffic=traffic(20), current_replicas={P: 1, D: 1})
+    s1, fx1 = on_tick(state, tick)
+    s2, fx2 = on_tick(state, tick)
+    assert fx1 == fx2
+    assert state.predictors.rate.num_observations == 0 and state.targets == {} and state.num_ticks == 0
+    assert s1.predictors.rate.num_observations == 1 and s2.num_ticks == 1
+
+
+def test_scaling_commands_for_changed_pools_only(perf):
+    state = initial_state(cfg(), perf)
+    _, fx = on_tick(state, TickInput(now_ms=120_000, traffic=traffic(10), current_replicas={P: 1, D: 1}))
+    cmds = scaling_commands(fx)
+    assert cmds == [ScalingCommand(decision_id="120000-decode", pool=D, target_replicas=2, current_replicas=1,
+                                   reason=cmds[0].reason, ts_ms=120_000)]
+    assert cmds[0].reason.startswith("decode: scale up 1 -> 2")
+    assert [c.pool for c in scaling_commands(fx, only_changed=False)] == [P, D]
+
+
+def test_invalid_configs_are_rejected():
+    with pytest.raises(ValueError, match="GPUs > max_gpus"):
+        PlannerConfig(min_prefill_replicas=4, min_decode_replicas=4, max_gpus=7)
+    with pytest.raises(ValueError, match="predictor"):
+        PlannerConfig(predictor="lstm")
+    with pytest.raises(ValueError, match="correction"):
+        PlannerConfig(correction_min=2.0)
