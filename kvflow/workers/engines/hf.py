@@ -1,0 +1,662 @@
+"""The ``hf`` engine: a real model on transformers + torch, continuously batched.
+
+One asyncio task runs the step loop. Each step (:meth:`HfEngine._step`):
+
+1. **prefill** every newly admitted request, one at a time, reusing the KV of
+   its longest cached prompt prefix (see *prefix cache* below), and sample
+   its first token;
+2. merge it into the **running batch** and drop aborted requests;
+3. run **one batched decode forward pass** over all running requests: input
+   ``[B, 1]`` (each request's last token), ``position_ids`` ``[B, 1]`` (each
+   request's own position), attention mask ``[B, T + 1]``; sample one token
+   per request; finish those that hit EOS, ``max_tokens`` or a stop string.
+
+Requests are admitted between steps, so a new request joins while others are
+mid-generation (continuous batching). The running batch keeps its KV per layer
+as ``[B, kv_heads, T, head_dim]`` tensors, **left-padded** to a common length
+``T``: request ``i``'s ``n_i`` real tokens are the last ``n_i`` columns, the
+mask zeroes the padding, and RoPE positions come from ``position_ids``, so
+padding changes neither positions nor attention weights. The batch is
+re-padded only when a request joins or leaves.
+
+Prefix cache: the KV of every full ``block_size``-token block of a sequence
+(prompt and generated tokens) is copied into a bounded LRU keyed by the
+block's chained sequence hash (:func:`kvflow.router.hashing.compute_block_hashes`).
+A new request whose prompt starts with cached blocks skips their prefill and
+reports the reused token count as ``num_cached_tokens`` on its first output.
+Stores and evictions are reported as :class:`~kvflow.schemas.BlockStored` /
+:class:`~kvflow.schemas.BlockRemoved` KV events, once per step.
+
+Stop strings: the engine detokenizes each request that has stop strings and
+holds back output tokens whose text could begin a stop string. When one
+matches, the request finishes with ``stop`` and the tokens it has sent in all
+(``token_ids`` summed over its outputs) are the longest token prefix whose text
+ends before the stop string: the stop string and everything after it are not
+sent. A token whose text straddles the start of the stop string is dropped too,
+so its text before the stop string is lost (rare with byte-level BPE, whose
+pre-tokenizer splits at word and punctuation boundaries). On EOS the EOS token
+is the last token sent (decoding skips it).
+
+Supported models: decoder-only transformers models whose cache layers are all
+full attention (Llama, Qwen2 without sliding window, ...). Sliding-window
+layers would break the left-padded layout and are refused at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
+from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
+from kvflow.workers.models import resolve_model
+from kvflow.workers.stops import StopChecker
+from kvflow.workers.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["HfEngine"]
+
+log = logging.getLogger(__name__)
+
+LayerKv = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per-layer (keys, values); each ``[batch, kv_heads, tokens, head_dim]``."""
+
+_DEFAULT_KV_CACHE_MB = 1024
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Working state of one request (owned by the step loop)."""
+
+    request: GenerateRequest
+    outputs: asyncio.Queue
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    stop_checker: StopChecker | None = None
+    detok: IncrementalDetokenizer | None = None
+    char_ends: list[int | None] = field(default_factory=list)  # text length after each output token
+    safe_chars: int = 0  # output text length that cannot be part of a stop string
+    num_sent: int = 0  # output tokens already sent
+    num_cached_tokens: int = 0
+    num_stored_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    sent_first: bool = False
+    finished: bool = False
+    abort_requested: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV is computed: all but the last sampled token."""
+        return len(self.token_ids) - 1
+
+
+class _PrefixCache:
+    """Bounded LRU of KV blocks keyed by chained block hash.
+
+    A block is one tensor ``[layers, 2, kv_heads, block_size, head_dim]``
+    (index 0 of dim 1 = keys, 1 = values), a copy independent of any running
+    batch. Chains are touched leaf-first so a prefix's root is always more
+    recently used than its descendants and is evicted last.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def match(self, block_hashes: list[int]) -> list[torch.Tensor]:
+        """Blocks of the longest cached prefix of ``block_hashes``, in order."""
+        found: list[torch.Tensor] = []
+        for h in block_hashes:
+            block = self._blocks.get(h)
+            if block is None:
+                break
+            found.append(block)
+        self.touch(block_hashes[: len(found)])
+        return found
+
+    def insert(self, block_hash: int, block: torch.Tensor) -> None:
+        self._blocks[block_hash] = block
+
+    def touch(self, chain: list[int]) -> None:
+        """Mark a chain used, leaf first, so the root ends most recent."""
+        for h in reversed(chain):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+
+    def evict_overflow(self) -> list[int]:
+        """Drop least recently used blocks down to capacity; return their hashes."""
+        removed = []
+        while len(self._blocks) > self.capacity_blocks:
+            h, _ = self._blocks.popitem(last=False)
+            removed.append(h)
+        return removed
+
+
+class _Batch:
+    """KV of the running sequences, left-padded to a common length ``T``.
+
+    ``kv[l]`` is layer ``l``'s (keys, values), each ``[B, kv_heads, T,
+    head_dim]``; ``mask`` is ``[B, T]`` (1 = real token). Row ``i`` holds
+    ``seqs[i].num_kv_tokens`` real tokens in its last columns.
+    """
+
+    def __init__(self) -> None:
+        self.seqs: list[_Sequence] = []
+        self.kv: LayerKv = []
+        self.mask: torch.Tensor | None = None
+
+    def add(self, seq: _Sequence, kv: LayerKv) -> None:
+        """Append ``seq`` whose own KV is ``kv`` (batch size 1, no padding)."""
+        n = kv[0][0].shape[2]
+        ones = torch.ones(1, n, dtype=torch.long, device=kv[0][0].device)
+        if not self.seqs:
+            self.seqs, self.kv, self.mask = [seq], list(kv), ones
+            return
+        t = self.mask.shape[1]
+        width = max(t, n)
+        old = [(F.pad(k, (0, 0, width - t, 0)), F.pad(v, (0, 0, width - t, 0))) for k, v in self.kv]
+        new = [(F.pad(k, (0, 0, width - n, 0)), F.pad(v, (0, 0, width - n, 0))) for k, v in kv]
+        self.kv = [(torch.cat((ok, nk)), torch.cat((ov, nv))) for (ok, ov), (nk, nv) in zip(old, new)]
+        self.mask = torch.cat((F.pad(self.mask, (width - t, 0)), F.pad(ones, (width - n, 0))))
+        self.seqs.append(seq)
+
+    def remove(self, gone: list[_Sequence]) -> None:
+        """Drop the rows of ``gone`` and any padding columns no row needs."""
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.seqs) if s not in gone]
+        if not keep:
+            self.seqs, self.kv, self.mask = [], [], None
+            return
+        self.seqs = [self.seqs[i] for i in keep]
+        idx = torch.tensor(keep, device=self.mask.device)
+        trim = self.mask.shape[1] - max(s.num_kv_tokens for s in self.seqs)
+        self.kv = [(k.index_select(0, idx)[:, :, trim:], v.index_select(0, idx)[:, :, trim:]) for k, v in self.kv]
+        self.mask = self.mask.index_select(0, idx)[:, trim:]
+
+    def row_kv(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``i``'s real KV per layer, each ``[kv_heads, n_i, head_dim]`` (views)."""
+        n = self.seqs[i].num_kv_tokens
+        return [(k[i, :, -n:], v[i, :, -n:]) for k, v in self.kv]
+
+
+def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """Sample one token id from ``logits`` ``[vocab]`` with temperature and nucleus (top-p) filtering.
+
+    Top-p keeps the smallest set of most likely tokens whose probability mass
+    reaches ``top_p`` (Holtzman et al., 2019, "The Curious Case of Neural Text
+    Degeneration"); the most likely token is always kept.
+    """
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class HfEngine(Engine):
+    """Serves a Hugging Face causal LM with continuous batching and prefix caching.
+
+    Args:
+        config: common engine settings; ``model`` is a spec for
+            :func:`kvflow.workers.models.resolve_model`. ``device`` is
+            ``"cpu"`` (default) or ``"cuda"``. ``extra`` keys:
+            ``dtype`` (``"float32"`` default, or ``"bfloat16"``/``"float16"``),
+            ``torch_threads`` (CPU threads; default: CPUs this process may
+            use), ``kv_cache_mb`` (prefix cache budget in MiB, default 1024;
+            the cache holds ``min(num_kv_blocks, budget / block bytes)``
+            blocks), ``enable_prefix_caching`` (default true; false skips
+            the prefix cache and its KV events). On CPU, :meth:`start` sets
+            torch's (process-wide) intra-op thread count.
+        **overrides: ``EngineConfig`` fields replacing those of ``config``.
+
+    After :meth:`start`: :attr:`tokenizer` is the model's tokenizer wrapper,
+    :attr:`model_name` the served name, and :attr:`decode_steps_by_batch_size`
+    counts decode forward passes by their batch size.
+    """
+
+    name = "hf"
+
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        # Keyword overrides (e.g. ``HfEngine(model=..., device="cuda")``) patch ``config``.
+        self.config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.block_size = self.config.block_size
+        self.model_name = self.config.model
+        self.decode_steps_by_batch_size: collections.Counter[int] = collections.Counter()
+        self._tokenizer: Tokenizer | None = None
+        self._model = None
+        self._device = torch.device(self.config.device)
+        self._cache: _PrefixCache | None = None
+        self._prefix_caching = bool(self.config.extra.get("enable_prefix_caching", True))
+        self._batch = _Batch()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._prefilling: list[_Sequence] = []
+        self._seqs: dict[str, _Sequence] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._stopping = False
+        self._max_model_len = 0
+        self._vocab_size = 0
+        self._prefill_tokens_total = 0
+        self._decode_tokens_total = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer wrapper (:mod:`kvflow.workers.tokenizer`).
+
+        Raises:
+            EngineError: the engine is not started.
+        """
+        if self._tokenizer is None:
+            raise EngineError("HfEngine.tokenizer is available after start()")
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Resolve and load the model and tokenizer (off the event loop), start the step loop.
+
+        Raises:
+            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+            EngineError: the device is unavailable or the model's cache layout
+                is not supported.
+        """
+        if self._loop_task is not None:
+            return
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device 'cuda' requested but torch sees no CUDA device")
+        if self._device.type == "cpu":
+            threads = int(self.config.extra.get("torch_threads") or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(max(1, threads))
+        if self._model is None:
+            await asyncio.to_thread(self._load)
+        self._stopping = False
+        self._loop_task = asyncio.create_task(self._run_loop(), name=f"hf-engine-{self.model_name}")
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, DynamicCache, DynamicLayer
+
+        resolved = resolve_model(self.config.model)
+        self.model_name = resolved.name
+        self._tokenizer = load_tokenizer(str(resolved.path))
+        dtype = getattr(torch, self.config.extra.get("dtype", "float32"))
+        model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=dtype, local_files_only=True)
+        self._model = model.to(self._device).eval()
+        cfg = model.config.get_text_config(decoder=True)
+        layers = DynamicCache(config=model.config).layers
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            raise EngineError(f"{resolved.name}: only full-attention models are supported by the hf engine")
+        self._num_layers = len(layers)
+        self._max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self._vocab_size = int(cfg.vocab_size)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        block_bytes = self._num_layers * 2 * kv_heads * self.block_size * head_dim * dtype.itemsize
+        budget = float(self.config.extra.get("kv_cache_mb", _DEFAULT_KV_CACHE_MB)) * 2**20
+        self._cache = _PrefixCache(max(1, min(self.config.num_kv_blocks, int(budget // block_bytes))))
+
+    async def stop(self) -> None:
+        """Finish the current step, stop the loop, end every open request with ``abort``."""
+        if self._loop_task is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        await self._loop_task
+        self._loop_task = None
+        for seq in list(self._seqs.values()):
+            if not seq.finished:
+                seq.finished = True
+                seq.outputs.put_nowait(EngineOutput(token_ids=[], finish_reason=FinishReason.abort))
+        self._waiting.clear()
+        self._batch = _Batch()
+
+    # ----------------------------------------------------------------- requests
+
+    def _new_sequence(self, request: GenerateRequest) -> _Sequence:
+        if self._model is None or self._stopping:
+            raise EngineError("HfEngine is not running; call start() first")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise EngineError(f"{request.request_id}: empty prompt")
+        if len(prompt) >= self._max_model_len:
+            raise EngineError(
+                f"{request.request_id}: prompt of {len(prompt)} tokens >= model max {self._max_model_len}"
+            )
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+            raise EngineError(f"{request.request_id}: token id outside [0, {self._vocab_size})")
+        if request.lora_name:
+            raise EngineError(f"{request.request_id}: the hf engine serves no LoRA adapters")
+        if request.request_id in self._seqs:
+            raise EngineError(f"{request.request_id}: a request with this id is already running")
+        sampling = request.sampling
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device=self._device)
+            if sampling.seed is not None:
+                generator.manual_seed(sampling.seed)
+            else:
+                generator.seed()
+        seq = _Sequence(request, asyncio.Queue(), prompt, len(prompt), generator)
+        if any(sampling.stop):
+            seq.stop_checker = StopChecker(list(sampling.stop))
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
+        return seq
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Serve ``request``; yields outputs until one carries a finish reason.
+
+        Leaving the iteration early aborts the request.
+
+        Raises:
+            EngineError: not started, empty/too long prompt, token id out of
+                range, LoRA requested, duplicate request id, or the forward
+                pass failed.
+        """
+        seq = self._new_sequence(request)
+        self._seqs[request.request_id] = seq
+        self._waiting.append(seq)
+        self._wakeup.set()
+        try:
+            while True:
+                item = await seq.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if self._seqs.get(request.request_id) is seq:
+                del self._seqs[request.request_id]
+            if not seq.finished:
+                self._request_abort(seq)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` (no-op if unknown or finished); its iterator ends with ``abort``
+        within one engine step."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            self._request_abort(seq)
+
+    def _request_abort(self, seq: _Sequence) -> None:
+        if seq in self._waiting:  # never started: finish it right here
+            self._waiting.remove(seq)
+            seq.finished = True
+            seq.outputs.put_nowait(EngineOutput(token_ids=[], finish_reason=FinishReason.abort))
+        else:  # running: the step loop drops it before its next decode
+            seq.abort_requested = True
+            self._wakeup.set()
+
+    def kv_stats(self) -> KvStats:
+        """Prefix-cache blocks plus the running requests' blocks not in it.
+
+        ``used_blocks`` = cached blocks + for each running request its blocks
+        (``ceil(kv tokens / block_size)``) not yet offered to the cache;
+        ``total_blocks`` = prefix cache capacity.
+        """
+        running = list(self._batch.seqs) + list(self._prefilling)
+        cached = len(self._cache) if self._cache is not None else 0
+        own = sum(max(0, math.ceil(max(s.num_kv_tokens, 0) / self.block_size) - s.num_stored_blocks) for s in running)
+        total = self._cache.capacity_blocks if self._cache is not None else self.config.num_kv_blocks
+        return KvStats(
+            block_size=self.block_size,
+            total_blocks=total,
+            used_blocks=cached + own,
+            active_requests=len(running),
+            waiting_requests=len(self._waiting),
+            active_prefill_tokens=sum(s.num_prompt_tokens for s in self._prefilling),
+            prefill_tokens_total=self._prefill_tokens_total,
+            decode_tokens_total=self._decode_tokens_total,
+        )
+
+    # ----------------------------------------------------------------- step loop
+
+    async def _run_loop(self) -> None:
+        while not self._stopping:
+            if not self._waiting and not self._batch.seqs:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            admitted = self._admit()
+            self._prefilling = admitted
+            try:
+                # The forward passes are CPU/GPU-bound for tens of ms; running
+                # them in a thread keeps the event loop (Kafka I/O, heartbeats,
+                # new requests, aborts) responsive. Only this task touches the
+                # model and the batch, so steps never overlap.
+                results, events = await asyncio.to_thread(self._step, admitted)
+            except Exception as exc:  # a failed forward pass fails the requests in it
+                log.exception("hf engine step failed")
+                self._fail(list(self._batch.seqs) + admitted, exc)
+                self._batch = _Batch()
+                continue
+            finally:
+                self._prefilling = []
+            for seq, output in results:
+                seq.outputs.put_nowait(output)
+            self.emit_kv_events(events)
+
+    def _admit(self) -> list[_Sequence]:
+        """Pop waiting requests within ``max_batch_size`` and the prefill token budget."""
+        admitted: list[_Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        room = self.config.max_batch_size - len(self._batch.seqs)
+        while self._waiting and len(admitted) < room:
+            cost = self._waiting[0].num_prompt_tokens
+            if admitted and cost > budget:
+                break
+            budget -= cost
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _fail(self, seqs: list[_Sequence], exc: Exception) -> None:
+        for seq in seqs:
+            if not seq.finished:
+                seq.finished = True
+                seq.outputs.put_nowait(EngineError(f"{seq.request.request_id}: forward pass failed: {exc}"))
+
+    def _step(self, admitted: list[_Sequence]) -> tuple[list[tuple[_Sequence, EngineOutput]], list[KvEvent]]:
+        """One engine step (runs in a worker thread): prefill ``admitted``, then one batched decode.
+
+        Returns the outputs to deliver, in order, and this step's KV events.
+        """
+        results: list[tuple[_Sequence, EngineOutput]] = []
+        events: list[KvEvent] = []
+        with torch.inference_mode():
+            for seq in admitted:
+                if seq.abort_requested:
+                    seq.finished = True
+                    results.append((seq, EngineOutput(token_ids=[], finish_reason=FinishReason.abort)))
+                    continue
+                kv, logits = self._prefill(seq)
+                out = self._advance(seq, self._sample(logits, [seq])[0])
+                events += self._store_blocks(seq, [(k[0], v[0]) for k, v in kv])
+                if out is not None:
+                    results.append((seq, out))
+                if not seq.finished:
+                    self._batch.add(seq, kv)
+            aborted = [s for s in self._batch.seqs if s.abort_requested]
+            for seq in aborted:
+                seq.finished = True
+                results.append((seq, EngineOutput(token_ids=[], finish_reason=FinishReason.abort)))
+            self._batch.remove(aborted)
+            if self._batch.seqs:
+                results += self._decode(events)
+        return results, events
+
+    def _prefill(self, seq: _Sequence) -> tuple[LayerKv, torch.Tensor]:
+        """Prefill ``seq``'s prompt after its longest cached prefix; return its KV and last logits."""
+        prompt = seq.token_ids
+        blocks: list[torch.Tensor] = []
+        if self._prefix_caching:
+            hashes = compute_block_hashes(prompt, self.block_size)
+            # Keep at least one prompt token to compute: its logits give the first output token.
+            usable = (len(prompt) - 1) // self.block_size
+            blocks = self._cache.match(hashes[:usable])
+        cached = len(blocks) * self.block_size
+        past: LayerKv = []
+        if blocks:
+            joined = torch.cat(blocks, dim=3)  # [layers, 2, kv_heads, cached, head_dim]
+            past = [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in joined]
+        seq.num_cached_tokens = cached
+        seq.num_stored_blocks = len(blocks)
+        input_ids = torch.tensor([prompt[cached:]], device=self._device)
+        positions = torch.arange(cached, len(prompt), device=self._device).unsqueeze(0)
+        logits, kv = self._forward(input_ids, positions, None, past)
+        self._prefill_tokens_total += len(prompt) - cached
+        return kv, logits
+
+    def _decode(self, events: list[KvEvent]) -> list[tuple[_Sequence, EngineOutput]]:
+        """One decode forward pass over the whole running batch; one token per request."""
+        batch = self._batch
+        seqs = batch.seqs
+        input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self._device)
+        positions = torch.tensor([[s.num_kv_tokens] for s in seqs], device=self._device)
+        mask = torch.cat((batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype, device=self._device)), 1)
+        logits, batch.kv = self._forward(input_ids, positions, mask, batch.kv)
+        batch.mask = mask
+        self.decode_steps_by_batch_size[len(seqs)] += 1
+        self._decode_tokens_total += len(seqs)
+        results = []
+        for i, (seq, token) in enumerate(zip(seqs, self._sample(logits, seqs))):
+            out = self._advance(seq, token)
+            if self._prefix_caching and (seq.num_kv_tokens // self.block_size) > seq.num_stored_blocks:
+                events += self._store_blocks(seq, batch.row_kv(i))
+            if out is not None:
+                results.append((seq, out))
+        batch.remove([s for s in seqs if s.finished])
+        return results
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv
+    ) -> tuple[torch.Tensor, LayerKv]:
+        """Run the model on ``input_ids`` ``[B, q]`` after ``past``; return last-position
+        logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._model.config)
+        for layer, (k, v) in zip(cache.layers, past):
+            # Hand our tensors to the cache without the copy its update() would make.
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        out = self._model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits[:, -1, :].float(), kv
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+        """Next token per row of ``logits`` ``[B, vocab]``: argmax at temperature 0, else sampled
+        with the request's own generator."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            sp = seq.request.sampling
+            if sp.temperature > 0:
+                tokens[i] = _sample_row(logits[i], sp.temperature, sp.top_p, seq.generator)
+        return tokens
+
+    def _advance(self, seq: _Sequence, token: int) -> EngineOutput | None:
+        """Append ``token`` to ``seq``, decide whether it finished, and build the output to send."""
+        seq.token_ids.append(token)
+        sampling = seq.request.sampling
+        finish: FinishReason | None = None
+        stopped_by_string = False
+        if seq.stop_checker is not None:
+            delta = seq.detok.add([token])
+            seq.char_ends.append(None if seq.detok.has_pending else len(seq.detok.text))
+            safe, stopped_by_string = seq.stop_checker.feed(delta)
+            seq.safe_chars += len(safe)
+            if stopped_by_string:
+                finish = FinishReason.stop
+        if finish is None and not sampling.ignore_eos and token in self._tokenizer.eos_token_ids:
+            finish = FinishReason.stop
+        if finish is None and (
+            seq.num_output_tokens >= sampling.max_tokens or len(seq.token_ids) >= self._max_model_len
+        ):
+            finish = FinishReason.length
+        if seq.stop_checker is None or (finish is not None and not stopped_by_string):
+            upto = seq.num_output_tokens
+        else:
+            upto = self._tokens_within(seq, seq.safe_chars)
+        tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_sent : seq.num_prompt_tokens + upto]
+        seq.num_sent = max(seq.num_sent, upto)
+        if finish is not None:
+            seq.finished = True
+        if not tokens and finish is None:
+            return None
+        out = EngineOutput(token_ids=tokens, finish_reason=finish)
+        if not seq.sent_first:
+            out.num_cached_tokens = seq.num_cached_tokens
+            seq.sent_first = True
+        return out
+
+    @staticmethod
+    def _tokens_within(seq: _Sequence, limit_chars: int) -> int:
+        """Largest output-token count whose text is complete and at most ``limit_chars`` long."""
+        upto = seq.num_sent
+        for j in range(seq.num_sent, len(seq.char_ends)):
+            end = seq.char_ends[j]
+            if end is None:
+                continue
+            if end > limit_chars:
+                break
+            upto = j + 1
+        return upto
+
+    def _store_blocks(self, seq: _Sequence, row_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[KvEvent]:
+        """Copy ``seq``'s newly completed full blocks into the prefix cache; return KV events.
+
+        ``row_kv`` is the sequence's real KV per layer, each ``[kv_heads, n, head_dim]``.
+        """
+        num_full = seq.num_kv_tokens // self.block_size
+        if num_full <= seq.num_stored_blocks or not self._prefix_caching:
+            return []
+        hashes = compute_block_hashes(seq.token_ids[: num_full * self.block_size], self.block_size)
+        events: list[KvEvent] = []
+        run: list[int] = []
+        run_parent: int | None = None
+        for i in range(seq.num_stored_blocks, num_full):
+            if hashes[i] in self._cache:
+                if run:
+                    events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run))
+                    run = []
+                continue
+            if not run:
+                run_parent = hashes[i - 1] if i > 0 else None
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            block = torch.stack([torch.stack((k[:, start:end], v[:, start:end])) for k, v in row_kv])
+            self._cache.insert(hashes[i], block)
+            run.append(hashes[i])
+        if run:
+            events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run))
+        seq.num_stored_blocks = num_full
+        self._cache.touch(hashes)
+        removed = self._cache.evict_overflow()
+        if removed:
+            events.append(BlockRemoved(block_hashes=removed))
+        return events

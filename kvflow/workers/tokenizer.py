@@ -1,0 +1,220 @@
+"""Tokenizers behind one small interface, and incremental detokenization.
+
+:func:`load_tokenizer` returns either an :class:`HfTokenizer` (a model's own
+tokenizer and chat template, loaded from its local directory) or a
+:class:`ByteTokenizer` (token id = UTF-8 byte + a small offset; used by the
+mocker engine and for models that ship no tokenizer). Both offer
+``encode_chat``, ``encode_prompt``, ``decode``, ``eos_token_ids``, ``name``
+and ``vocab_size``. :class:`IncrementalDetokenizer` turns a growing list of
+token ids into text deltas for streaming.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from kvflow.schemas import ChatMessage
+from kvflow.workers.models import resolve_model
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HfTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer(Protocol):
+    """What kvflow needs from a tokenizer (both implementations satisfy it)."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: set[int]
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of a chat rendered with a generation prompt for the assistant."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain text prompt."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped."""
+
+
+def _role_and_content(message: ChatMessage | dict) -> tuple[str, str]:
+    if isinstance(message, dict):
+        return str(message["role"]), str(message.get("content") or "")
+    return message.role, message.content
+
+
+class ByteTokenizer:
+    """A tokenizer without a vocabulary file: one token per UTF-8 byte.
+
+    Token id = byte value + :attr:`NUM_SPECIAL` (so ids 4..259 are bytes);
+    ids 0..3 are specials: ``PAD``, ``BOS``, ``EOS`` and ``EOT`` (end of
+    turn). ``vocab_size`` is 260. Chat format (fixed)::
+
+        BOS  "<|role|>\\n" content EOT  ...  "<|assistant|>\\n"
+
+    ``eos_token_ids`` is ``{EOS, EOT}``. Decoding skips specials and replaces
+    invalid UTF-8 with U+FFFD.
+    """
+
+    PAD, BOS, EOS, EOT = 0, 1, 2, 3
+    NUM_SPECIAL = 4
+    vocab_size = 256 + NUM_SPECIAL
+
+    def __init__(self, name: str = "bytes") -> None:
+        self.name = name
+        self.eos_token_ids = {self.EOS, self.EOT}
+
+    def _bytes(self, text: str) -> list[int]:
+        return [b + self.NUM_SPECIAL for b in text.encode("utf-8")]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Byte ids of ``text`` (no BOS), length = UTF-8 byte count."""
+        return self._bytes(text)
+
+    def encode_chat(self, messages: Sequence[ChatMessage | dict]) -> list[int]:
+        """Ids of the fixed chat format above, ending with the assistant header."""
+        ids = [self.BOS]
+        for message in messages:
+            role, content = _role_and_content(message)
+            ids += self._bytes(f"<|{role}|>\n{content}")
+            ids.append(self.EOT)
+        return ids + self._bytes("<|assistant|>\n")
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        """Text of the byte ids in ``token_ids``; specials and ids >= 260 are skipped."""
+        data = bytes(t - self.NUM_SPECIAL for t in token_ids if self.NUM_SPECIAL <= t < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer loaded from a local model directory.
+
+    ``encode_chat`` renders the tokenizer's chat template with
+    ``add_generation_prompt=True`` and encodes the text without adding special
+    tokens again (the template already has them). A tokenizer without a chat
+    template falls back to ``"role: content\\n"`` lines ending in
+    ``"assistant:"``. ``eos_token_ids`` is the union of the tokenizer's EOS id
+    and the ``eos_token_id`` entries of ``config.json`` and
+    ``generation_config.json``.
+    """
+
+    def __init__(self, path: Path, name: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.path = Path(path)
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.vocab_size = len(self._tok)
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self._tok.eos_token_id is not None:
+            ids.add(int(self._tok.eos_token_id))
+        for file_name in ("config.json", "generation_config.json"):
+            cfg_path = self.path / file_name
+            if not cfg_path.is_file():
+                continue
+            value = json.loads(cfg_path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of ``text`` with the tokenizer's usual special tokens (e.g. BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: Sequence[ChatMessage | dict]) -> list[int]:
+        """Ids of the chat rendered by the chat template, ready for the assistant's turn."""
+        turns = [dict(zip(("role", "content"), _role_and_content(m))) for m in messages]
+        if self._tok.chat_template:
+            text = self._tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with special tokens skipped."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns token ids appended one step at a time into text deltas.
+
+    Each :meth:`add` decodes a short window — the tokens since the previous
+    emitted boundary plus those before it as context — and returns only the
+    new text. A delta is held back while the window's text ends in U+FFFD,
+    i.e. while the last tokens carry an incomplete UTF-8 sequence, so a
+    multi-byte character split across tokens is sent whole. Concatenating all
+    deltas plus :meth:`flush` equals ``tokenizer.decode(all_ids)`` for
+    byte-level tokenizers. Cost per call is O(window), not O(sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # tokens before this are already in self.text
+
+    @property
+    def has_pending(self) -> bool:
+        """True when some added tokens' text is still held back."""
+        return self._read_offset < len(self.token_ids)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append ``token_ids``; return the text they complete (may be ``""``)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :])
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            return ""
+        delta = window_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character becomes U+FFFD)."""
+        if not self.has_pending:
+            return ""
+        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :])
+        delta = window_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(path: str, name: str) -> Tokenizer:
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return ByteTokenizer(name=name)  # a model directory without a tokenizer
+    return HfTokenizer(Path(path), name)
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer for a model spec, cached per spec (and per resolved model).
+
+    Args:
+        spec: ``"bytes"`` for the :class:`ByteTokenizer`; otherwise a model
+            spec as accepted by :func:`kvflow.workers.models.resolve_model`.
+            A model directory without tokenizer files gets a
+            :class:`ByteTokenizer` named after the model.
+
+    Raises:
+        kvflow.workers.models.ModelNotFoundError: unknown model spec.
+    """
+    if spec == "bytes":
+        return ByteTokenizer()
+    resolved = resolve_model(spec)
+    return _load_hf(str(resolved.path), resolved.name)
