@@ -51,16 +51,54 @@ def up(
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
     policy: Annotated[str, typer.Option(help="Routing policy.")] = "least_loaded",
+    planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
+    ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
+    itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
+    adjustment_interval_s: Annotated[float, typer.Option(help="SLA planner: seconds between decisions.")] = 10.0,
+    min_workers: Annotated[int, typer.Option(min=0, help="SLA planner: fewest workers.")] = 1,
+    max_workers: Annotated[int, typer.Option(min=1, help="SLA planner: most workers.")] = 8,
+    scale_down_hold_intervals: Annotated[int, typer.Option(
+        min=1, help="SLA planner: intervals a lower need must last before scaling down.")] = 3,
+    predictor: Annotated[str, typer.Option(help="SLA planner: load predictor (constant, arima, kalman, prophet).")]
+    = "constant",
+    profile: Annotated[Optional[Path], typer.Option(
+        help="SLA planner: engine profile JSON (`kvflow profile`); default: profile the mocker now.")] = None,
+    speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
+    = None,
     verbose: bool = False,
 ) -> None:
-    """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all."""
+    """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
+
+    With ``--planner sla`` the SLA planner (metrics sink, planner loop and local
+    connector) runs in this process and scales the aggregated workers between
+    ``--min-workers`` and ``--max-workers``.
+    """
     from kvflow.supervisor import Supervisor, WorkerSpec
 
     _logging(verbose)
+    if planner not in ("none", "sla"):
+        raise typer.BadParameter(f"--planner must be none or sla, not {planner!r}")
     settings = Settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy)
+    mocker_args = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
+    extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
+    plan = None
+    if planner == "sla":
+        from kvflow.planner.core import PlannerConfig, PlannerMode
+        from kvflow.planner.loop import load_profile
+
+        try:
+            plan = (PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=adjustment_interval_s,
+                                  mode=PlannerMode.aggregated, predictor=predictor,
+                                  min_aggregated_replicas=min_workers, max_gpus=max_workers,
+                                  scale_down_hold_intervals=scale_down_hold_intervals),
+                    load_profile(profile, engine, **mocker_args))
+        except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        workers = min(max(workers, min_workers), max_workers)
 
     async def main() -> None:
-        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model), host=host, port=port)
+        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,6 +118,10 @@ def up(
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 ready.result()
+                if plan is not None:
+                    await sup.start_planner(*plan)
+                    typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
+                               f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 typer.echo(f"kvflow is serving {model} at {sup.url}/v1  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
@@ -94,11 +136,11 @@ def up(
 
 @app.command()
 def worker(
-    slot: Annotated[int, typer.Option(help="Queue partition this worker consumes.")],
+    slot: Annotated[int, typer.Option(envvar="KVFLOW_WORKER_SLOT", help="Queue partition this worker consumes.")],
     engine: str = "mocker",
     model: str = "SmolLM2-135M-Instruct",
     role: WorkerRole = WorkerRole.aggregated,
-    worker_id: Annotated[Optional[str], typer.Option()] = None,
+    worker_id: Annotated[Optional[str], typer.Option(envvar="KVFLOW_WORKER_ID")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="KV block size in tokens (engine default if unset).")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
@@ -123,13 +165,67 @@ def status(
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    scaling: Annotated[int, typer.Option(help="Also show the last N scaling commands (0: none).")] = 0,
 ) -> None:
-    """List live workers and their queue depths."""
+    """List live workers and their queue depths (and recent scaling commands)."""
     from kvflow.streams.status import collect_status, render_status
 
     settings = _settings(bootstrap_servers, namespace)
     rows = asyncio.run(collect_status(settings))
-    typer.echo(json.dumps(rows, indent=2) if as_json else render_status(rows))
+    commands = []
+    if scaling > 0:
+        from kvflow.planner.connectors import read_scaling_commands
+
+        commands = asyncio.run(read_scaling_commands(settings))[-scaling:]
+    if as_json:
+        typer.echo(json.dumps({"workers": rows, "scaling": [c.model_dump(mode="json") for c in commands]}
+                              if scaling > 0 else rows, indent=2))
+        return
+    typer.echo(render_status(rows))
+    if scaling > 0:
+        typer.echo(f"\nlast {len(commands)} scaling command(s):")
+        for c in commands:
+            typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
+                       f"{c.reason.split(';')[0]}")
+
+
+def _int_list(values: list[str] | None) -> list[int] | None:
+    """``["128,256", "512"]`` -> ``[128, 256, 512]``; ``None`` stays ``None``."""
+    if not values:
+        return None
+    try:
+        return [int(v) for item in values for v in item.split(",") if v.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected integers: {values}") from exc
+
+
+@app.command("profile")
+def profile_cmd(
+    out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
+    engine: Annotated[str, typer.Option(help="mocker (hf and vllm are not implemented yet).")] = "mocker",
+    isl: Annotated[Optional[list[str]], typer.Option(
+        help="ISL / context-length axis, tokens: repeat or comma-separate (default 128..16384).")] = None,
+    concurrency: Annotated[Optional[list[str]], typer.Option(
+        help="Concurrency axis: repeat or comma-separate (default 1..256).")] = None,
+    model: Annotated[str, typer.Option(help="Model name recorded in the profile.")] = "mocker",
+    speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks (engine default if unset).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="mocker: tokens per KV block (default if unset).")] = None,
+) -> None:
+    """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses."""
+    from kvflow.planner.profile import DEFAULT_CONCURRENCIES, DEFAULT_ISLS, run_profile
+    from kvflow.workers.engines.mocker_core import MockerConfig
+
+    kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
+          **({"block_size": block_size} if block_size else {})}
+    try:
+        prof = run_profile(engine, _int_list(isl) or DEFAULT_ISLS, _int_list(concurrency) or DEFAULT_CONCURRENCIES,
+                           out, model=model, config=MockerConfig(**kw))
+    except (ValueError, NotImplementedError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    p, d = prof.prefill, prof.decode
+    typer.echo(f"wrote {out}: {engine} prefill {len(p.isl)}x{len(p.concurrency)}, "
+               f"decode {len(d.context_length)}x{len(d.concurrency)} grid")
 
 
 @app.command()
@@ -147,6 +243,15 @@ def produce(
     settings = _settings(bootstrap_servers, namespace)
     code = asyncio.run(produce_chat(settings, text, model=model, max_tokens=max_tokens, temperature=temperature))
     raise typer.Exit(code)
+
+
+def _register_replay() -> None:
+    from kvflow.replay.cli import replay
+
+    app.command(help="Replay a traffic trace (offline simulation or online), or compare reports.")(replay)
+
+
+_register_replay()
 
 
 if __name__ == "__main__":  # pragma: no cover

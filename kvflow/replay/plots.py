@@ -1,0 +1,121 @@
+"""PNG plots of a replay: latency CDFs and load / hit rate over time (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvflow.replay.report import Report, RequestRecord
+
+__all__ = ["latency_samples", "plot_latency_cdfs", "plot_timeline", "write_plots"]
+
+_CDF_POINTS = 2000  # a CDF drawn from this many quantiles looks the same as from millions of points
+
+
+def latency_samples(records: Sequence[RequestRecord],
+                    itl_gaps_ms: Sequence[float] | np.ndarray) -> dict[str, np.ndarray]:
+    """Raw latency samples (ms) of completed requests: ``ttft``, ``itl`` (pooled gaps), ``e2e``."""
+    done = [r for r in records if r.ok]
+    return {
+        "ttft": np.array([r.first_token_ms - r.arrival_ms for r in done if r.first_token_ms is not None]),
+        "itl": np.asarray(itl_gaps_ms, dtype=np.float64),
+        "e2e": np.array([r.finish_ms - r.arrival_ms for r in done]),
+    }
+
+
+def _ragged(rows: Sequence[Sequence[float]]) -> np.ndarray:
+    """Rows of per-worker values → 2-D array padded with NaN (workers may join mid-run)."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), np.nan)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; safe in headless runs and threads
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+
+def plot_latency_cdfs(samples: Mapping[str, np.ndarray], path: str | Path, title: str = "") -> Path:
+    """One panel per sample (TTFT, ITL, e2e): empirical CDF on a log-x axis. Returns ``path``."""
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+
+    names = [k for k in ("ttft", "itl", "e2e") if k in samples]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        data = np.asarray(samples[name], dtype=np.float64)
+        if data.size:
+            q = np.linspace(0.0, 1.0, min(_CDF_POINTS, data.size))
+            xs = np.quantile(data, q)
+            ax.plot(np.maximum(xs, 1e-3), q)
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            for p in (0.5, 0.9, 0.99):
+                ax.axhline(p, color="0.85", lw=0.8, zorder=0)
+        ax.set_xlabel(f"{name.upper()} (ms)")
+        ax.set_ylabel("fraction ≤ x")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{name.upper()} CDF (n={data.size:,})")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(report: Report, path: str | Path) -> Path:
+    """Per-worker in-flight requests and KV usage over time, with the prefix hit
+    rate of each interval, from ``report.timeline``. Returns ``path``."""
+    plt = _pyplot()
+    pts = report.timeline
+    fig, (ax_load, ax_kv) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    if pts:
+        t = np.array([p.t_s for p in pts])
+        load = _ragged([p.load for p in pts])
+        kv = _ragged([p.kv_usage for p in pts]) * 100
+        # Mean over workers with a min–max band: readable at any worker count.
+        for ax, data, color in ((ax_load, load, "tab:blue"), (ax_kv, kv, "tab:green")):
+            if data.ndim != 2 or data.shape[1] == 0:
+                continue  # not observed (online replay has no KV usage)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns before a worker existed
+                lo, hi, mean = np.nanmin(data, axis=1), np.nanmax(data, axis=1), np.nanmean(data, axis=1)
+            ax.fill_between(t, lo, hi, color=color, alpha=0.2, lw=0, label="min–max over workers")
+            ax.plot(t, mean, color=color, lw=1.2, label="mean over workers")
+            ax.legend(loc="upper left", fontsize=8)
+        hit = np.array([np.nan if p.hit_rate is None else p.hit_rate * 100 for p in pts])
+        ax_hit = ax_load.twinx()
+        ax_hit.plot(t, hit, color="black", lw=1.2, ls="--", label="prefix hit rate")
+        ax_hit.set_ylabel("prefix hit rate (%)")
+        ax_hit.set_ylim(0, 100)
+        ax_hit.legend(loc="upper right", fontsize=8)
+    ax_load.set_ylabel("in-flight requests" if report.mode == "offline" else "in flight (all workers)")
+    ax_load.set_title(f"{report.trace}: load per worker ({report.policy}, {report.workers} workers)")
+    ax_kv.set_ylabel("KV blocks used (%)")
+    ax_kv.set_xlabel("time (s)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(report: Report, samples: Mapping[str, np.ndarray], out_dir: str | Path) -> list[Path]:
+    """Write ``latency_cdf.png`` and ``timeline.png`` into ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    title = f"{report.trace} — {report.policy}, {report.workers} workers"
+    return [plot_latency_cdfs(samples, out / "latency_cdf.png", title), plot_timeline(report, out / "timeline.png")]

@@ -1,0 +1,328 @@
+"""The replay report: per-request records → one JSON-able :class:`Report`.
+
+Offline simulation and online replay both fill :class:`RequestRecord`s (times
+in ms on their own clock, 0 = trace start) and pooled inter-token gaps, and
+call :func:`build_report`, so both produce the same report shape.
+
+Definitions (all latencies in ms):
+
+* TTFT = first output token time − arrival time.
+* ITL = every gap between successive output tokens of a request, pooled over
+  all requests (tokens delivered together count as 0 ms gaps).
+* TPOT (per request) = (e2e − TTFT) / (output tokens − 1), requests with at
+  least two tokens.
+* e2e = last token time − arrival time.
+* queue = first scheduled time − arrival time (offline only: when an engine
+  step first included the request).
+* prefix hit rate = cached prompt tokens / prompt tokens, over completed requests.
+* goodput = completed requests per second with TTFT <= ``sla_ttft_ms`` and
+  TPOT <= ``sla_itl_ms`` (one-token requests are judged on TTFT alone), the
+  per-request SLA test of vLLM's ``benchmark_serving --goodput``.
+
+Percentiles are numpy's default (linear interpolation between order statistics).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "RequestRecord",
+    "TimelineSample",
+    "LatencyStats",
+    "Goodput",
+    "WorkerSummary",
+    "TimelinePoint",
+    "Report",
+    "latency_stats",
+    "build_report",
+    "load_report",
+    "write_json",
+    "render_markdown",
+]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's life in a replay. Times in ms from trace start; None = never happened.
+
+    ``output_tokens`` counts tokens received; ``cached_tokens`` is the prompt
+    prefix served from the prefix cache; ``error`` is set for failed requests.
+    """
+
+    request_id: str
+    arrival_ms: float
+    isl: int
+    osl: int
+    worker_id: str = ""
+    scheduled_ms: float | None = None
+    first_token_ms: float | None = None
+    last_token_ms: float | None = None
+    finish_ms: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Completed without error."""
+        return self.error is None and self.finish_ms is not None
+
+
+@dataclass(slots=True)
+class TimelineSample:
+    """Per-worker load at ``t_ms`` and prompt/cached tokens of requests whose
+    first token came since the previous sample."""
+
+    t_ms: float
+    load: list[int]
+    kv_usage: list[float]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    arrivals: int = 0
+
+
+class LatencyStats(BaseModel):
+    """Summary of a latency sample in ms; ``count`` 0 gives all None."""
+
+    model_config = ConfigDict(frozen=True)
+    count: int
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    mean: float | None
+
+
+class Goodput(BaseModel):
+    """Requests per second meeting the SLA, and their fraction of all requests."""
+
+    model_config = ConfigDict(frozen=True)
+    requests_per_s: float
+    fraction: float
+    sla_ttft_ms: float
+    sla_itl_ms: float
+
+
+class WorkerSummary(BaseModel):
+    """One worker's share. ``busy_fraction`` (engine stepping time / duration)
+    is None online, where it is not observed."""
+
+    model_config = ConfigDict(frozen=True)
+    worker_id: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefix_hit_rate: float
+    output_tokens: int
+    busy_fraction: float | None = None
+
+
+class TimelinePoint(BaseModel):
+    """Load over time: per-worker in-flight requests and KV usage at ``t_s``,
+    the prefix hit rate of requests first served in the preceding interval
+    (None if none) and arrivals in it."""
+
+    model_config = ConfigDict(frozen=True)
+    t_s: float
+    load: list[int]
+    kv_usage: list[float]
+    hit_rate: float | None
+    arrivals: int
+
+
+class Report(BaseModel):
+    """A replay's results. Durations in seconds, latencies in ms.
+
+    ``duration_s`` runs from trace start (first arrival at 0) to the last
+    completion. ``block_size``/``total_kv_blocks`` (all workers) are None
+    online when unknown. ``wall_time_s`` is how long the replay itself ran.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    mode: Literal["offline", "online"]
+    trace: str
+    trace_format: str
+    policy: str
+    workers: int
+    seed: int
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    ttft_ms: LatencyStats
+    itl_ms: LatencyStats
+    tpot_ms: LatencyStats
+    e2e_ms: LatencyStats
+    queue_ms: LatencyStats
+    prefix_hit_rate: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    goodput: Goodput
+    block_size: int | None = None
+    total_kv_blocks: int | None = None
+    per_worker: list[WorkerSummary]
+    timeline: list[TimelinePoint] = []
+    options: dict[str, Any] = {}
+    wall_time_s: float | None = None
+
+
+def latency_stats(values: Sequence[float] | np.ndarray) -> LatencyStats:
+    """p50/p90/p99/mean of ``values`` (numpy linear-interpolation percentiles)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return LatencyStats(count=0, p50=None, p90=None, p99=None, mean=None)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return LatencyStats(count=int(arr.size), p50=float(p50), p90=float(p90), p99=float(p99), mean=float(arr.mean()))
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    if r.output_tokens < 2 or r.first_token_ms is None or r.last_token_ms is None:
+        return None
+    return (r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1)
+
+
+@dataclass
+class _WorkerAcc:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+def build_report(
+    records: Sequence[RequestRecord],
+    itl_gaps_ms: Sequence[float] | np.ndarray,
+    *,
+    mode: Literal["offline", "online"],
+    trace: str,
+    trace_format: str,
+    policy: str,
+    workers: Sequence[str],
+    seed: int,
+    sla_ttft_ms: float = 500.0,
+    sla_itl_ms: float = 50.0,
+    block_size: int | None = None,
+    total_kv_blocks: int | None = None,
+    busy_ms: dict[str, float] | None = None,
+    timeline: Sequence[TimelineSample] = (),
+    options: dict[str, Any] | None = None,
+    wall_time_s: float | None = None,
+) -> Report:
+    """Summarise request records into a :class:`Report` (definitions in the module docstring).
+
+    ``workers`` lists every worker id (so idle workers appear in
+    ``per_worker``); ``busy_ms`` maps worker id → time spent stepping.
+    """
+    done = [r for r in records if r.ok]
+    failed = len(records) - len(done)
+    end_ms = max((r.finish_ms for r in done), default=0.0)
+    duration_s = end_ms / 1000.0
+    ttft = [r.first_token_ms - r.arrival_ms for r in done if r.first_token_ms is not None]
+    e2e = [r.finish_ms - r.arrival_ms for r in done]
+    tpots = [t for t in map(_tpot, done) if t is not None]
+    queue = [r.scheduled_ms - r.arrival_ms for r in done if r.scheduled_ms is not None]
+    prompt = sum(r.isl for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    out_tokens = sum(r.output_tokens for r in done)
+    good = 0
+    for r in done:
+        tpot = _tpot(r)
+        if r.first_token_ms is not None and r.first_token_ms - r.arrival_ms <= sla_ttft_ms and (
+                tpot is None or tpot <= sla_itl_ms):
+            good += 1
+    acc = {w: _WorkerAcc() for w in workers}
+    for r in done:
+        a = acc.setdefault(r.worker_id, _WorkerAcc())
+        a.requests += 1
+        a.prompt_tokens += r.isl
+        a.cached_tokens += r.cached_tokens
+        a.output_tokens += r.output_tokens
+    per_worker = [
+        WorkerSummary(worker_id=w, requests=a.requests, prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
+                      prefix_hit_rate=a.cached_tokens / a.prompt_tokens if a.prompt_tokens else 0.0,
+                      output_tokens=a.output_tokens,
+                      busy_fraction=(busy_ms.get(w, 0.0) / end_ms if end_ms else 0.0) if busy_ms is not None else None)
+        for w, a in acc.items()
+    ]
+    points = [
+        TimelinePoint(t_s=s.t_ms / 1000.0, load=list(s.load), kv_usage=[round(u, 4) for u in s.kv_usage],
+                      hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None, arrivals=s.arrivals)
+        for s in timeline
+    ]
+
+    def rate(n: int) -> float:
+        return n / duration_s if duration_s > 0 else 0.0
+
+    return Report(
+        mode=mode, trace=trace, trace_format=trace_format, policy=policy, workers=len(workers), seed=seed,
+        requests=len(records), completed=len(done), failed=failed, duration_s=duration_s,
+        ttft_ms=latency_stats(ttft), itl_ms=latency_stats(itl_gaps_ms), tpot_ms=latency_stats(tpots),
+        e2e_ms=latency_stats(e2e), queue_ms=latency_stats(queue),
+        prefix_hit_rate=cached / prompt if prompt else 0.0, prompt_tokens=prompt, cached_tokens=cached,
+        output_tokens=out_tokens, output_tokens_per_s=rate(out_tokens), requests_per_s=rate(len(done)),
+        goodput=Goodput(requests_per_s=rate(good), fraction=good / len(records) if records else 0.0,
+                        sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms),
+        block_size=block_size, total_kv_blocks=total_kv_blocks, per_worker=per_worker, timeline=points,
+        options=options or {}, wall_time_s=wall_time_s,
+    )
+
+
+def load_report(path: str | Path) -> Report:
+    """Read a JSON report written by :func:`write_json`.
+
+    Raises:
+        pydantic.ValidationError: the file is not a report.
+        FileNotFoundError: no such file.
+    """
+    return Report.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
+def write_json(report: Report, path: str | Path) -> None:
+    """Write ``report`` as indented JSON (parent directories are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8")
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:,.{digits}f}"
+
+
+def render_markdown(report: Report) -> str:
+    """A human-readable markdown summary of ``report`` (latency table, totals, workers)."""
+    r = report
+    lines = [
+        f"# Replay of `{r.trace}` ({r.mode})",
+        "",
+        f"{r.workers} workers, policy `{r.policy}`, seed {r.seed}"
+        + (f", block size {r.block_size}, {r.total_kv_blocks:,} KV blocks in all" if r.block_size else ""),
+        "",
+        f"- requests: {r.requests:,} ({r.completed:,} completed, {r.failed:,} failed) over {r.duration_s:,.1f} s",
+        f"- throughput: {r.requests_per_s:.2f} req/s, {r.output_tokens_per_s:,.0f} output tokens/s",
+        f"- prefix hit rate: {r.prefix_hit_rate:.1%} of {r.prompt_tokens:,} prompt tokens",
+        f"- goodput: {r.goodput.requests_per_s:.2f} req/s ({r.goodput.fraction:.1%} of requests meet "
+        f"TTFT ≤ {r.goodput.sla_ttft_ms:g} ms and ITL ≤ {r.goodput.sla_itl_ms:g} ms)",
+    ]
+    if r.wall_time_s is not None:
+        lines.append(f"- wall time: {r.wall_time_s:.1f} s")
+    lines += ["", "| latency (ms) | p50 | p90 | p99 | mean | count |", "|---|---:|---:|---:|---:|---:|"]
+    for name, s in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("TPOT", r.tpot_ms), ("e2e", r.e2e_ms),
+                    ("queue", r.queue_ms)):
+        lines.append(f"| {name} | {_f(s.p50)} | {_f(s.p90)} | {_f(s.p99)} | {_f(s.mean)} | {s.count:,} |")
+    lines += ["", "| worker | requests | prompt tokens | hit rate | output tokens | busy |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for w in r.per_worker:
+        busy = "–" if w.busy_fraction is None else f"{w.busy_fraction:.1%}"
+        lines.append(f"| {w.worker_id} | {w.requests:,} | {w.prompt_tokens:,} | {w.prefix_hit_rate:.1%} | "
+                     f"{w.output_tokens:,} | {busy} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,430 @@
+"""Offline replay: a discrete-event simulation of an aggregated kvflow deployment.
+
+No broker, no wall clock. Trace arrivals are routed by the real routing code
+(:func:`kvflow.router.policies.select_worker` over a
+:class:`~kvflow.router.table.RoutingTable` refreshed from each simulated
+worker's load just before every decision, as heartbeats would) to N
+:class:`~kvflow.workers.engines.mocker_core.MockerCore` engines, each stepping
+on a simulated clock:
+
+* a worker with work starts a step at ``now``; the core computes it at once
+  and says how long it takes; its outputs and KV events are delivered at
+  ``now + duration_ms``, when the next step starts if work remains;
+* requests arriving at a busy worker join its next step; simultaneous
+  arrivals at an idle worker are all queued before its step starts;
+* events at equal times run arrivals first, then step ends, then step starts.
+
+Timings recorded per request (see :mod:`kvflow.replay.report`): arrival,
+first scheduled (start of the first step that admitted it), every token
+delivery, finish. The loop is one heap of step events merged with the sorted
+arrival list, so it is deterministic for a given trace and seed.
+
+Extension points (later work, not built here):
+
+* ``kv_hook.on_kv_events(worker_id, events)`` receives each step's KV events
+  at the step's end — a KV index for a KV-aware policy plugs in there;
+* ``planner.on_tick(now_ms, sim)`` is called every ``planner.interval_ms``
+  and may call :meth:`Simulation.add_worker` / :meth:`Simulation.drain_worker`;
+* :meth:`Simulation.dispatch` places one arrived request; a disaggregated
+  mode overrides it (prefill pool first, then decode) and can use each
+  worker's ``role``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import sys
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from kvflow.replay.report import RequestRecord, TimelineSample
+from kvflow.replay.synth import PrefixHasher
+from kvflow.replay.traces import Trace, TraceRequest
+from kvflow.router.hashing import compute_block_hashes
+from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
+from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
+from kvflow.schemas import KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
+from kvflow.workers.engines.base import EngineError, GenerateRequest
+from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult
+
+__all__ = [
+    "HASH_FREE_POLICIES",
+    "KvEventHook",
+    "PlannerHook",
+    "SimConfig",
+    "SimWorker",
+    "SimResult",
+    "Simulation",
+    "simulate",
+]
+
+log = logging.getLogger(__name__)
+
+HASH_FREE_POLICIES = frozenset({"round_robin", "random", "least_loaded"})
+"""Policies that ignore ``RouteRequest.block_hashes``; the simulator skips hashing for them."""
+
+_ARRIVAL_KIND, _STEP_END, _STEP_START, _TICK = -1, 0, 1, 2  # heap tie-break order at equal times
+
+
+class KvEventHook(Protocol):
+    """Receives every worker's KV events (a KV index for KV-aware routing)."""
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent]) -> None:
+        """``events`` of one engine step of ``worker_id``, in order, at the step's end."""
+
+
+class PlannerHook(Protocol):
+    """Called every ``interval_ms`` of simulated time; may add or drain workers."""
+
+    interval_ms: float
+
+    def on_tick(self, now_ms: float, sim: "Simulation") -> None:
+        """Observe ``sim`` at ``now_ms`` and act on it."""
+
+
+@dataclass
+class SimConfig:
+    """Simulation settings.
+
+    Attributes:
+        workers: aggregated workers at start (>= 1). Defaults to ``8``.
+        policy: routing policy name (:data:`kvflow.router.policies.POLICIES`).
+            Defaults to ``"round_robin"``.
+        seed: seeds the engines' output tokens. Defaults to ``0``.
+        mocker: engine settings per worker (its ``seed`` is replaced by
+            ``seed``). Defaults to :class:`MockerConfig` defaults.
+        model: model name the workers serve. Defaults to ``"mocker"``.
+        sample_interval_ms: simulated time between timeline samples.
+            Defaults to ``10000``.
+        block_hashes: fill ``RouteRequest.block_hashes`` (costly); None =
+            only for policies outside :data:`HASH_FREE_POLICIES`.
+    """
+
+    workers: int = 8
+    policy: str = "round_robin"
+    seed: int = 0
+    mocker: MockerConfig | None = None
+    model: str = "mocker"
+    sample_interval_ms: float = 10_000.0
+    block_hashes: bool | None = None
+
+
+@dataclass
+class SimWorker:
+    """One simulated worker: its engine core and step bookkeeping.
+
+    ``unstarted`` holds routed request ids not yet admitted by a step, in
+    arrival order (the core admits first-come first-served).
+    """
+
+    worker_id: str
+    role: WorkerRole
+    core: MockerCore
+    busy_ms: float = 0.0
+    stepping: bool = False
+    pending: StepResult | None = None
+    unstarted: deque[str] = field(default_factory=deque)
+    draining: bool = False
+    steps: int = 0
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced. ``itl_gaps_ms`` pools every inter-token gap;
+    ``profile_s`` splits the run's wall time (routing, engine steps, token
+    delivery, the rest)."""
+
+    records: list[RequestRecord]
+    itl_gaps_ms: array
+    worker_ids: list[str]
+    busy_ms: dict[str, float]
+    timeline: list[TimelineSample]
+    end_ms: float
+    steps: int
+    stalls: int
+    wall_time_s: float
+    profile_s: dict[str, float]
+
+
+def _progress_bar(total: int, enabled: bool):
+    """A tqdm bar on stderr, disabled unless ``enabled`` and stderr is a TTY."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="simulating", disable=not (enabled and sys.stderr.isatty()),
+                leave=False, mininterval=0.5)
+
+
+class Simulation:
+    """A discrete-event simulation of one trace (see the module docstring).
+
+    Args:
+        trace: the requests (a :class:`Trace` or any iterable; sorted by ``arrival_ms`` here).
+        config: simulation settings.
+        kv_hook: optional KV event receiver.
+        planner: optional periodic controller.
+        progress: show a progress bar when stderr is a TTY.
+
+    Raises:
+        KeyError: unknown policy.
+        ValueError: ``config.workers < 1``.
+    """
+
+    def __init__(self, trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,
+                 kv_hook: KvEventHook | None = None, planner: PlannerHook | None = None,
+                 progress: bool = False) -> None:
+        from kvflow.router.policies import POLICIES
+
+        self.config = config = config or SimConfig()
+        if config.policy not in POLICIES:
+            raise KeyError(f"unknown routing policy {config.policy!r}; known: {sorted(POLICIES)}")
+        if config.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {config.workers}")
+        self.requests = sorted(trace.requests if isinstance(trace, Trace) else trace, key=lambda r: r.arrival_ms)
+        self.mocker_config = replace(config.mocker or MockerConfig(), seed=config.seed)
+        self.kv_hook = kv_hook
+        self.planner = planner
+        self.progress = progress
+        self.table = RoutingTable()
+        self.workers: dict[str, SimWorker] = {}
+        self.now_ms = 0.0
+        need = config.block_hashes
+        self.need_block_hashes = config.policy not in HASH_FREE_POLICIES if need is None else need
+        self._hasher = PrefixHasher(self.mocker_config.block_size) if (
+            self.need_block_hashes and 512 % self.mocker_config.block_size == 0) else None
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._seq = 0
+        self._records: dict[str, RequestRecord] = {}
+        self._last_token: dict[str, float] = {}
+        self._itl = array("d")
+        self._window = [0, 0, 0]  # prompt tokens, cached tokens, arrivals since the last sample
+        self._stalls = 0
+        self._bar = None
+        self._ran = False
+        for _ in range(config.workers):
+            self.add_worker()
+
+    # ---- topology (planner / disaggregation hooks use these) ------------
+
+    def add_worker(self, role: WorkerRole = WorkerRole.aggregated) -> str:
+        """Start a new worker with an empty cache at the current time; returns its id."""
+        worker_id = f"worker-{len(self.workers):03d}"
+        self.workers[worker_id] = SimWorker(worker_id, role, MockerCore(self.mocker_config, worker_id))
+        self._heartbeat(self.workers[worker_id])
+        return worker_id
+
+    def drain_worker(self, worker_id: str) -> None:
+        """Route nothing new to ``worker_id``; it finishes its in-flight requests.
+
+        Raises:
+            KeyError: unknown worker.
+        """
+        w = self.workers[worker_id]
+        w.draining = True
+        self._heartbeat(w)
+
+    def _heartbeat(self, w: SimWorker) -> None:
+        """Refresh the routing table's view of ``w`` from its engine, as a heartbeat would."""
+        s = w.core.stats()
+        apply_heartbeat(self.table, WorkerHeartbeat(
+            worker_id=w.worker_id, role=w.role, status=WorkerStatus.draining if w.draining else WorkerStatus.serving,
+            model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,
+            kv_used_blocks=s.used_blocks, queue_topic="sim", queue_partition=0, active_requests=s.active_requests,
+            waiting_requests=s.waiting_requests, active_prefill_tokens=s.active_prefill_tokens,
+            ts_ms=int(self.now_ms)))
+
+    # ---- events ----------------------------------------------------------
+
+    def _push(self, t: float, kind: int, worker_id: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, worker_id))
+
+    def _block_hashes(self, req: TraceRequest, tokens: list[int]) -> tuple[int, ...]:
+        if self._hasher is not None and req.hash_ids is not None and req.token_ids is None:
+            return tuple(self._hasher.block_hashes(req.hash_ids, req.isl))
+        return tuple(compute_block_hashes(tokens, self.mocker_config.block_size))
+
+    def dispatch(self, req: TraceRequest) -> None:
+        """Route one arrived request and queue it on the chosen worker (at ``now_ms``).
+
+        Failures (no worker, engine rejection) are recorded on the request.
+        """
+        rec = self._records[req.request_id]
+        for w in self.workers.values():
+            self._heartbeat(w)
+        tokens = req.prompt_token_ids()
+        route = RouteRequest(request_id=req.request_id, model=self.config.model, isl=req.isl,
+                             block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else ())
+        try:
+            decision = select_worker(self.config.policy, route, self.table)
+        except NoWorkerAvailable as exc:
+            self._fail(rec, str(exc))
+            return
+        note_routed(self.table, decision.worker_id)
+        w = self.workers[decision.worker_id]
+        rec.worker_id = w.worker_id
+        try:
+            w.core.add_request(GenerateRequest(req.request_id, tokens,
+                                               SamplingParams(max_tokens=req.osl, ignore_eos=True)))
+        except EngineError as exc:
+            self._fail(rec, str(exc))
+            return
+        w.unstarted.append(req.request_id)
+        if not w.stepping:
+            w.stepping = True
+            self._push(self.now_ms, _STEP_START, w.worker_id)
+
+    def _fail(self, rec: RequestRecord, error: str) -> None:
+        rec.error = error
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def _start_step(self, w: SimWorker) -> None:
+        now = self.now_ms
+        res = w.core.step()
+        if not res.outputs and not res.prefill_tokens and not res.decode_tokens:
+            # Nothing could be scheduled; with the pool sized for every accepted
+            # request this does not happen, but never spin on it.
+            self._stalls += 1
+            w.stepping = False
+            return
+        w.steps += 1
+        w.busy_ms += res.duration_ms
+        w.pending = res
+        unstarted, records, has_seq = w.unstarted, self._records, w.core.pool.has_seq
+        while unstarted and (has_seq(unstarted[0]) or unstarted[0] in res.outputs):
+            records[unstarted.popleft()].scheduled_ms = now
+        self._push(now + res.duration_ms, _STEP_END, w.worker_id)
+
+    def _end_step(self, w: SimWorker) -> None:
+        now = self.now_ms
+        res, w.pending = w.pending, None
+        records, last, itl, window = self._records, self._last_token, self._itl, self._window
+        for rid, out in res.outputs.items():
+            rec = records[rid]
+            n = len(out.token_ids)
+            prev = last.get(rid)
+            if prev is None:
+                rec.first_token_ms = now
+                rec.cached_tokens = out.num_cached_tokens
+                window[0] += rec.isl
+                window[1] += out.num_cached_tokens
+                n -= 1
+            else:
+                itl.append(now - prev)
+                n -= 1
+            if n > 0:  # several tokens in one delivery: zero gaps between them
+                itl.extend([0.0] * n)
+            rec.output_tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                rec.last_token_ms = rec.finish_ms = now
+                last.pop(rid, None)
+                if out.finish_reason.value in ("abort", "error"):
+                    rec.error = f"finished with {out.finish_reason.value}"
+                if self._bar is not None:
+                    self._bar.update(1)
+            else:
+                last[rid] = now
+        if res.kv_events and self.kv_hook is not None:
+            self.kv_hook.on_kv_events(w.worker_id, res.kv_events)
+        w.stepping = w.core.has_work()
+
+    def _sample(self, t_ms: float, out: list[TimelineSample]) -> None:
+        loads, usage = [], []
+        for w in self.workers.values():
+            s = w.core.stats()
+            loads.append(s.active_requests + s.waiting_requests)
+            usage.append(s.used_blocks / s.total_blocks if s.total_blocks else 0.0)
+        p, c, a = self._window
+        out.append(TimelineSample(t_ms, loads, usage, p, c, a))
+        self._window = [0, 0, 0]
+
+    # ---- the loop --------------------------------------------------------
+
+    def run(self) -> SimResult:
+        """Simulate the whole trace; returns records, pooled ITL gaps, busy times and timeline.
+
+        Raises:
+            RuntimeError: called a second time (engines keep their state).
+            ValueError: request ids in the trace are not unique.
+        """
+        if self._ran:
+            raise RuntimeError("a Simulation runs once; build a new one")
+        self._ran = True
+        t_wall = time.perf_counter()
+        prof = {"routing": 0.0, "engine_step": 0.0, "delivery": 0.0}
+        pc = time.perf_counter
+        reqs = self.requests
+        self._records = {r.request_id: RequestRecord(r.request_id, r.arrival_ms, r.isl, r.osl) for r in reqs}
+        if len(self._records) != len(reqs):
+            raise ValueError("request ids in the trace are not unique")
+        timeline: list[TimelineSample] = []
+        interval = self.config.sample_interval_ms
+        next_sample = interval
+        heap = self._heap
+        if self.planner is not None:
+            self._push(self.planner.interval_ms, _TICK, "")
+        i, n = 0, len(reqs)
+        inf = float("inf")
+        self._bar = _progress_bar(n, self.progress)
+        try:
+            while True:
+                t_arr = reqs[i].arrival_ms if i < n else inf
+                # Ticks alone do not keep the simulation alive.
+                live_heap = heap and (heap[0][1] != _TICK or any(w.stepping for w in self.workers.values()))
+                if t_arr == inf and not live_heap:
+                    break
+                t_next = t_arr if not heap or t_arr <= heap[0][0] else heap[0][0]
+                while next_sample <= t_next:
+                    self.now_ms = next_sample
+                    self._sample(next_sample, timeline)
+                    next_sample += interval
+                self.now_ms = t_next
+                if t_arr <= t_next:
+                    i += 1
+                    self._window[2] += 1
+                    t0 = pc()
+                    self.dispatch(reqs[i - 1])
+                    prof["routing"] += pc() - t0
+                    continue
+                _, kind, _, worker_id = heapq.heappop(heap)
+                if kind == _TICK:
+                    self.planner.on_tick(t_next, self)
+                    self._push(t_next + self.planner.interval_ms, _TICK, "")
+                    continue
+                w = self.workers[worker_id]
+                t0 = pc()
+                if kind == _STEP_END:
+                    self._end_step(w)
+                    t1 = pc()
+                    prof["delivery"] += t1 - t0
+                    t0 = t1
+                if w.stepping:  # a step start, or work left at a step end: the next step begins now
+                    self._start_step(w)
+                prof["engine_step"] += pc() - t0
+        finally:
+            self._bar.close()
+            self._bar = None
+        self._sample(self.now_ms, timeline)
+        for rec in self._records.values():
+            if rec.finish_ms is None and rec.error is None:
+                rec.error = "unfinished: the engine could not schedule it"
+        wall = time.perf_counter() - t_wall
+        prof["other"] = wall - sum(prof.values())
+        return SimResult(
+            records=list(self._records.values()), itl_gaps_ms=self._itl, worker_ids=list(self.workers),
+            busy_ms={w.worker_id: w.busy_ms for w in self.workers.values()}, timeline=timeline,
+            end_ms=self.now_ms, steps=sum(w.steps for w in self.workers.values()), stalls=self._stalls,
+            wall_time_s=wall, profile_s=prof,
+        )
+
+
+def simulate(trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,
+             kv_hook: KvEventHook | None = None, planner: PlannerHook | None = None,
+             progress: bool = False) -> SimResult:
+    """Build a :class:`Simulation` and run it (arguments as there)."""
+    return Simulation(trace, config, kv_hook=kv_hook, planner=planner, progress=progress).run()
