@@ -189,6 +189,92 @@ def status(
                        f"{c.reason.split(';')[0]}")
 
 
+@app.command("planner")
+def planner_cmd(
+    ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms.")] = 500.0,
+    itl_ms: Annotated[float, typer.Option(help="ITL target, ms.")] = 50.0,
+    adjustment_interval_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 60.0,
+    mode: Annotated[str, typer.Option(help="aggregated | disaggregated (prefill and decode pools).")] = "disaggregated",
+    min_replicas: Annotated[int, typer.Option(min=0, help="Fewest replicas of each pool.")] = 1,
+    max_gpus: Annotated[int, typer.Option(min=1, help="GPUs all pools may use (1 per replica).")] = 8,
+    scale_down_hold_intervals: Annotated[int, typer.Option(min=1)] = 3,
+    predictor: Annotated[str, typer.Option(help="constant, arima, kalman or prophet.")] = "constant",
+    profile: Annotated[Optional[Path], typer.Option(help="Engine profile JSON; default: profile the mocker.")] = None,
+    connector: Annotated[str, typer.Option(help="none (publish commands only) | kubernetes.")] = "none",
+    k8s_namespace: Annotated[str, typer.Option(help="kubernetes: namespace of the worker workloads.")] = "default",
+    workload: Annotated[Optional[list[str]], typer.Option(
+        help="kubernetes: POOL=NAME, one per pool (e.g. decode=kvflow-decode).")] = None,
+    workload_kind: Annotated[str, typer.Option(help="kubernetes: Deployment or StatefulSet.")] = "Deployment",
+    clickhouse_url: Annotated[Optional[str], typer.Option(envvar="KVFLOW_CLICKHOUSE_URL",
+                                                          help="ClickHouse server; default: embedded chDB.")] = None,
+    data_dir: Annotated[str, typer.Option(envvar="KVFLOW_DATA_DIR", help="Embedded chDB parent directory.")]
+    = ".kvflow",
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = "kvflow",
+    verbose: bool = False,
+) -> None:
+    """Run the SLA planner on its own (metrics sink, planner loop, optional connector)
+    against a running deployment, e.g. in a cluster with ``--connector kubernetes``.
+
+    Current replicas come from the workloads' ``spec.replicas`` with the
+    Kubernetes connector, and from the serving workers on the workers topic otherwise.
+    """
+    from kvflow.planner.core import PlannerConfig, PlannerMode
+    from kvflow.planner.loop import load_profile, workers_topic_counter
+    from kvflow.planner.service import PlannerServices
+    from kvflow.streams.catalog import Catalog
+
+    _logging(verbose)
+    settings = _settings(bootstrap_servers, namespace, clickhouse_url=clickhouse_url, data_dir=data_dir)
+    try:
+        config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=adjustment_interval_s,
+                               mode=PlannerMode(mode), predictor=predictor, max_gpus=max_gpus,
+                               min_prefill_replicas=min_replicas, min_decode_replicas=min_replicas,
+                               min_aggregated_replicas=min_replicas,
+                               scale_down_hold_intervals=scale_down_hold_intervals)
+        prof = load_profile(profile)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    catalog = Catalog(settings.namespace)
+    conn, counter = None, workers_topic_counter(settings, catalog)
+    if connector == "kubernetes":
+        from kvflow.planner.connectors.kubernetes import KubernetesConnector, load_apps_api
+
+        pairs = [w.split("=", 1) for w in workload or []]
+        if not pairs or any(len(p) != 2 for p in pairs):
+            raise typer.BadParameter("--workload POOL=NAME is required once per pool with --connector kubernetes")
+        try:
+            k8s = KubernetesConnector(load_apps_api(), k8s_namespace, {WorkerRole(p): n for p, n in pairs},
+                                      kind=workload_kind)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        missing = [p.value for p in config.pools if p not in k8s.workloads]
+        if missing:
+            raise typer.BadParameter(f"no --workload for pool(s) {missing}")
+        conn = k8s
+
+        async def counter() -> dict[WorkerRole, int]:
+            return {p: await k8s.replicas(p) for p in config.pools}
+    elif connector != "none":
+        raise typer.BadParameter(f"--connector must be none or kubernetes, not {connector!r}")
+
+    async def main() -> None:
+        services = PlannerServices(settings, config, prof, counter, connector=conn, catalog=catalog)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await services.start()
+        typer.echo(f"SLA planner ({mode}, connector {connector}) on {settings.bootstrap_servers}; "
+                   f"metrics in {services.clickhouse.location}  (Ctrl-C to stop)")
+        try:
+            await stop.wait()
+        finally:
+            await services.stop()
+
+    asyncio.run(main())
+
+
 def _int_list(values: list[str] | None) -> list[int] | None:
     """``["128,256", "512"]`` -> ``[128, 256, 512]``; ``None`` stays ``None``."""
     if not values:

@@ -8,7 +8,10 @@ this process's session and are killed with it: Ctrl-C leaves no orphans.
 
 The :class:`Supervisor` also executes scaling commands for the ``local``
 connector: :meth:`Supervisor.scale` starts workers or drains them (SIGTERM,
-which the worker handles by draining: no request is lost).
+which the worker handles by draining: no request is lost). With
+:meth:`Supervisor.start_planner` it also hosts the SLA planner: metrics sink,
+planner loop and local connector (:mod:`kvflow.planner.service`), in this
+process because it owns the embedded chDB directory.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class Supervisor:
         self._uvicorn = None
         self._bridge_task: asyncio.Task | None = None
         self._counter = 0
+        self._draining: dict[str, _Child] = {}  # SIGTERM sent, not exited: their slots stay taken
+        self.planner = None  # kvflow.planner.service.PlannerServices, once started
 
     async def start(self) -> None:
         """Start broker (if embedded), topics, router and bridge (no workers yet)."""
@@ -98,7 +103,8 @@ class Supervisor:
         return f"http://{self.host}:{self.port}"
 
     def _free_slot(self, role: WorkerRole) -> int:
-        used = {c.slot for c in self.children.values() if c.role == role}
+        # A draining worker still consumes its partition: never hand its slot out again before it exits.
+        used = {c.slot for c in (*self.children.values(), *self._draining.values()) if c.role == role}
         for slot in range(QUEUE_SLOTS):
             if slot not in used:
                 return slot
@@ -125,19 +131,33 @@ class Supervisor:
         child = self.children.pop(worker_id, None)
         if child is None or child.process.returncode is not None:
             return
-        child.process.send_signal(signal.SIGTERM)
+        self._draining[worker_id] = child
         try:
-            await asyncio.wait_for(child.process.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            child.process.kill()
-            await child.process.wait()
+            child.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(child.process.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                child.process.kill()
+                await child.process.wait()
+        finally:
+            self._draining.pop(worker_id, None)
 
     def replicas(self, role: WorkerRole = WorkerRole.aggregated) -> int:
         """Running worker processes of ``role``."""
         return sum(1 for c in self.children.values() if c.role == role and c.process.returncode is None)
 
     async def scale(self, role: WorkerRole, target: int) -> None:
-        """Start or drain workers of ``role`` until ``target`` run (newest drained first)."""
+        """Start or drain workers of ``role`` until ``target`` run (newest drained first).
+
+        Workers that exited on their own are forgotten first (and replaced if
+        ``target`` asks for them). Returns once drained workers have exited.
+
+        Raises:
+            RuntimeError: every queue slot of ``role`` is in use.
+        """
+        for child in [c for c in self.children.values() if c.role == role and c.process.returncode is not None]:
+            log.warning("worker %s exited with code %s", child.worker_id, child.process.returncode)
+            del self.children[child.worker_id]
         while self.replicas(role) < target:
             await self.start_worker(role)
         excess = self.replicas(role) - target
@@ -161,8 +181,35 @@ class Supervisor:
                 raise TimeoutError(f"only {len(self.router.table.workers)}/{count} workers registered")
             await asyncio.sleep(0.1)
 
+    async def start_planner(self, config, profile, *, model: str | None = None,
+                            data_dir: str | None = None) -> None:
+        """Start the SLA planner in this process: metrics sink, planner loop and the
+        local connector, which scales this supervisor's workers.
+
+        Args:
+            config: a :class:`kvflow.planner.core.PlannerConfig`; its pools
+                must be ones this supervisor runs.
+            profile: the engine :class:`kvflow.planner.profile.Profile`.
+            model: plan on this model's requests only (``None``: all).
+            data_dir: chDB directory (default: per namespace under ``settings.data_dir``).
+
+        Raises:
+            kvflow.planner.service.ClickHouseLocked: another process owns the chDB directory.
+        """
+        from kvflow.planner.connectors.local import LocalConnector
+        from kvflow.planner.service import PlannerServices
+
+        self.planner = PlannerServices(
+            self.settings, config, profile, current_replicas=lambda: {p: self.replicas(p) for p in config.pools},
+            connector=LocalConnector(self, max_replicas=QUEUE_SLOTS), catalog=self.catalog, model=model,
+            data_dir=data_dir)
+        await self.planner.start()
+
     async def stop(self) -> None:
-        """Stop everything: bridge, workers (drained), router, broker."""
+        """Stop everything: planner, bridge, workers (drained), router, broker."""
+        if self.planner is not None:
+            with contextlib.suppress(Exception):
+                await self.planner.stop()
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):

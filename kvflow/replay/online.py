@@ -60,6 +60,8 @@ class _Live:
     in_flight: int = 0
     window: list[int] = field(default_factory=lambda: [0, 0, 0])
     bar: Any = None
+    policies: set[str] = field(default_factory=set)
+    """Routing policies named by the responses' routing decisions."""
 
     def now_ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
@@ -108,6 +110,8 @@ async def _kafka_one(client: Any, live: _Live, req: TraceRequest, rec: RequestRe
             rec.output_tokens = max(n_tokens, ev.usage.completion_tokens, len(ev.token_ids))
             rec.cached_tokens = ev.usage.cached_tokens
             rec.worker_id = ev.worker_id or (ev.routing.worker_id if ev.routing else "")
+            if ev.routing is not None:
+                live.policies.add(ev.routing.policy)
             if ev.usage.prompt_tokens:
                 rec.isl = ev.usage.prompt_tokens
             if ev.timings.started_ms:
@@ -283,13 +287,13 @@ async def run_online_async(
             policy = "http"
         elif client is not None:
             await drive(lambda req, rec: _kafka_one(client, live, req, rec, model, run_tag))
-            policy = settings.routing_policy if settings is not None else "kafka"
+            policy = ",".join(sorted(live.policies)) or "unknown"
         else:
             from kvflow.streams.client import KvflowClient
 
             async with KvflowClient(settings, timeout_s=timeout_s) as kafka_client:
                 await drive(lambda req, rec: _kafka_one(kafka_client, live, req, rec, model, run_tag))
-            policy = settings.routing_policy
+            policy = ",".join(sorted(live.policies)) or "unknown"
     finally:
         live.bar.close()
     worker_ids = sorted({r.worker_id for r in records.values() if r.worker_id})

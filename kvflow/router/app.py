@@ -17,6 +17,7 @@ Malformed records go to the dead-letter topic; no agent dies of one.
 from __future__ import annotations
 
 import logging
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         app_id or f"{settings.namespace}-router",
         broker=f"kafka://{bootstrap(settings)}",
         store="memory://",
+        datadir=tempfile.mkdtemp(prefix="kvflow-router-"),  # Faust writes here; keep it out of the cwd
         web_enabled=False,
         autodiscover=False,
         producer_linger_ms=0,

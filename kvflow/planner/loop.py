@@ -1,0 +1,228 @@
+"""The planner loop: every adjustment interval, query → ``on_tick`` → publish.
+
+Each tick (:meth:`PlannerLoop.tick`):
+
+1. Flush the metrics sink (``before_query``), so everything consumed is queryable.
+2. Aggregate the window ``[t0_ms, t1_ms)`` of finished requests
+   (:func:`~kvflow.planner.queries.interval_aggregates`) on the ClickHouse
+   thread. ``t1_ms = now_ms - settle_s``: a request finishing just before the
+   tick may still be on its way through Kafka, so the window ends a little in
+   the past. Windows are contiguous: each starts where the last one ended,
+   so every request lands in exactly one window even when a tick is late or
+   failed (the next window is then longer, and the core divides by its real
+   duration). The first window is one interval long.
+3. Call the pure core, :func:`~kvflow.planner.core.on_tick`, with the
+   replicas running now (``current_replicas()``).
+4. Publish :func:`~kvflow.planner.core.scaling_commands` (pools whose target
+   changed) to the scaling topic, keyed by pool.
+
+A failed tick (ClickHouse error, no feasible profile point) is logged and
+leaves the planner state as it was; the loop keeps ticking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvflow.planner.core import (
+    PlannerConfig,
+    PlannerEffects,
+    PlannerState,
+    TickInput,
+    initial_state,
+    on_tick,
+    scaling_commands,
+)
+from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.profile import Profile, run_profile
+from kvflow.planner.queries import IntervalAggregates, interval_aggregates
+from kvflow.schemas import ScalingCommand, WorkerRole, encode, now_ms
+from kvflow.settings import Settings
+from kvflow.streams.catalog import Catalog
+from kvflow.streams.kafka import make_producer
+
+__all__ = ["PlannerLoop", "TickReport", "ReplicaCounter", "load_profile", "publish_command", "workers_topic_counter"]
+
+log = logging.getLogger(__name__)
+
+ReplicaCounter = Callable[[], Mapping[WorkerRole, int] | Awaitable[Mapping[WorkerRole, int]]]
+"""Returns (or, if async, resolves to) the replicas running now, per pool (a missing pool counts 0)."""
+
+
+def load_profile(path: Path | str | None, engine: str = "mocker", **mocker_kwargs) -> Profile:
+    """The profile to plan with: read from ``path``, or measured now for the mocker.
+
+    Without a path, :func:`~kvflow.planner.profile.run_profile` sweeps the
+    mocker on a simulated clock (well under a second); ``mocker_kwargs``
+    become its :class:`~kvflow.workers.engines.mocker_core.MockerConfig`, and
+    must match the workers' settings for the profile to describe them.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        pydantic.ValidationError: the file is not a profile.
+        NotImplementedError: no ``path`` and ``engine`` is ``hf`` or ``vllm``
+            (profile those engines yourself and pass the file).
+    """
+    if path is not None:
+        return Profile.load(path)
+    if engine != "mocker":
+        raise NotImplementedError(f"no profile given for the {engine!r} engine; only the mocker is profiled "
+                                  "automatically: pass a profile JSON file")
+    from kvflow.workers.engines.mocker_core import MockerConfig
+
+    return run_profile("mocker", config=MockerConfig(**mocker_kwargs))
+
+
+def workers_topic_counter(settings: Settings, catalog: Catalog) -> ReplicaCounter:
+    """A :data:`ReplicaCounter` that counts ``serving`` workers per pool in the
+    workers topic (replayed on every call, as ``kvflow status`` does; draining
+    and expired workers are not counted)."""
+    from kvflow.schemas import WorkerStatus
+    from kvflow.streams.status import read_routing_table
+
+    async def count() -> dict[WorkerRole, int]:
+        table = await read_routing_table(settings, catalog)
+        out: dict[WorkerRole, int] = {}
+        for w in table.workers.values():
+            if w.status == WorkerStatus.serving:
+                out[w.role] = out.get(w.role, 0) + 1
+        return out
+
+    return count
+
+
+async def publish_command(producer, catalog: Catalog, command: ScalingCommand) -> None:
+    """Produce one scaling command, keyed by its pool, and wait for the broker's ack."""
+    await producer.send_and_wait(catalog.scaling.name, encode(command), key=command.pool.value.encode())
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """What one tick saw and did: the window's aggregates, the core's effects
+    and the commands published (empty when no pool's target changed)."""
+
+    aggregates: IntervalAggregates
+    current_replicas: Mapping[WorkerRole, int]
+    effects: PlannerEffects
+    commands: tuple[ScalingCommand, ...]
+
+
+class PlannerLoop:
+    """The live adapter around :func:`~kvflow.planner.core.on_tick`.
+
+    Args:
+        settings: Kafka settings.
+        catalog: topic catalog.
+        clickhouse: the process's :class:`~kvflow.planner.service.SharedClickHouse`.
+        config: planner settings (``adjustment_interval_s`` is the tick period).
+        profile: engine profile (see :func:`load_profile`).
+        current_replicas: replicas running now, per pool (a plain or an async function).
+        model: plan on this model's requests only (``None``: all requests).
+        settle_s: the window ends this many seconds before the tick (Kafka and
+            sink delay), s.
+        before_query: awaited before each query (the sink's flush).
+        clock_ms: epoch-ms clock (injected by tests).
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog, clickhouse, config: PlannerConfig, profile: Profile,
+                 current_replicas: ReplicaCounter, *, model: str | None = None, settle_s: float = 1.0,
+                 before_query: Callable[[], Awaitable[object]] | None = None,
+                 clock_ms: Callable[[], int] = now_ms) -> None:
+        if settle_s < 0:
+            raise ValueError("settle_s must be >= 0")
+        self.settings, self.catalog, self.clickhouse = settings, catalog, clickhouse
+        self.config = config
+        self.state: PlannerState = initial_state(config, PerfModel.from_profile(profile))
+        self.current_replicas = current_replicas
+        self.model = model
+        self.settle_ms = int(settle_s * 1000)
+        self.before_query = before_query
+        self.clock_ms = clock_ms
+        self.producer = make_producer(settings)
+        self.last_window_end_ms: int | None = None
+        self.reports: list[TickReport] = []
+        """Recent tick reports, newest last (bounded)."""
+        self.failed_ticks = 0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_ticks(self) -> int:
+        """Successful ticks so far."""
+        return self.state.num_ticks
+
+    async def start(self, *, run: bool = True) -> None:
+        """Connect the producer; with ``run`` also start ticking in the background."""
+        await self.producer.start()
+        if run:
+            self._task = asyncio.create_task(self.run(), name="planner-loop")
+
+    async def stop(self) -> None:
+        """Stop ticking and close the producer."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.producer.stop()
+
+    async def run(self) -> None:
+        """Tick every ``adjustment_interval_s`` (first tick one interval after start) until cancelled."""
+        interval_s = self.config.adjustment_interval_s
+        loop = asyncio.get_running_loop()
+        next_s = loop.time() + interval_s
+        while True:
+            await asyncio.sleep(max(0.0, next_s - loop.time()))
+            next_s += interval_s
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed tick must not stop planning
+                self.failed_ticks += 1
+                log.exception("planner tick failed; state unchanged")
+            if loop.time() > next_s:  # a slow tick: skip missed slots rather than burst
+                next_s = loop.time() + interval_s
+
+    async def tick(self, now: int | None = None) -> TickReport:
+        """Run one planning step at epoch-ms ``now`` (default: the clock).
+
+        Returns:
+            The tick's report. The state advances and commands are published
+            only if every step succeeded.
+
+        Raises:
+            ValueError: the profile has no feasible point at the observed lengths.
+            clickhouse_connect.driver.exceptions.DatabaseError: the query failed.
+            aiokafka.errors.KafkaError: a command could not be published.
+        """
+        now = self.clock_ms() if now is None else now
+        t1 = now - self.settle_ms
+        t0 = self.last_window_end_ms if self.last_window_end_ms is not None \
+            else t1 - int(self.config.adjustment_interval_s * 1000)
+        t0 = min(t0, t1 - 1)  # a clock step backwards must not make an empty window
+        if self.before_query is not None:
+            await self.before_query()
+        agg = await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t0, t1, model=self.model)
+        counted = self.current_replicas()
+        if inspect.isawaitable(counted):
+            counted = await counted
+        current = {WorkerRole(k): int(v) for k, v in counted.items()}
+        state, effects = on_tick(self.state, TickInput(now_ms=now, traffic=agg.to_observation(),
+                                                       current_replicas=current))
+        commands = tuple(scaling_commands(effects))
+        for command in commands:
+            await publish_command(self.producer, self.catalog, command)
+            log.info("scaling %s %d -> %d (%s)", command.pool.value, command.current_replicas,
+                     command.target_replicas, command.reason)
+        self.state, self.last_window_end_ms = state, t1
+        report = TickReport(agg, current, effects, commands)
+        self.reports = [*self.reports[-99:], report]
+        log.debug("tick %d: window [%d, %d) %d requests, targets %s", state.num_ticks, t0, t1, agg.num_requests,
+                  {d.pool.value: d.target_replicas for d in effects.decisions})
+        return report
