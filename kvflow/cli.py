@@ -45,6 +45,10 @@ def _settings(bootstrap: str | None, namespace: str, embedded: bool | None = Non
 def up(
     engine: Annotated[str, typer.Option(help="mocker | hf | vllm")] = "hf",
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
+    prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers (disaggregated serving).")] = 0,
+    decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
+    disagg_threshold_tokens: Annotated[int, typer.Option(
+        min=0, help="Prefill remotely only when the uncached prompt is longer than this.")] = 1000,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -79,7 +83,8 @@ def up(
     _logging(verbose)
     if planner not in ("none", "sla"):
         raise typer.BadParameter(f"--planner must be none or sla, not {planner!r}")
-    settings = Settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy)
+    settings = Settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
+                        disagg_prefill_threshold_tokens=disagg_threshold_tokens)
     mocker_args = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
     plan = None
@@ -110,10 +115,14 @@ def up(
                                               "embedded_broker": sup.settings.embedded_broker,
                                               "namespace": namespace, "url": sup.url, "pid": os.getpid()}))
             typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}")
-            for _ in range(workers):
-                await sup.start_worker(WorkerRole.aggregated)
-            typer.echo(f"waiting for {workers} {engine} worker(s) to load {model} ...")
-            ready = asyncio.create_task(sup.wait_workers_ready(workers))
+            pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
+                     (WorkerRole.decode, decode_workers))
+            for role, count in pools:
+                for _ in range(count):
+                    await sup.start_worker(role)
+            total = workers + prefill_workers + decode_workers
+            typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():

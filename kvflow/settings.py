@@ -6,6 +6,8 @@ explicit keyword arguments (CLI flags). Units are in the field names.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -55,3 +57,26 @@ class Settings(BaseSettings):
 
     data_dir: str = ".kvflow"
     """Directory for embedded state (chDB). Defaults to ``.kvflow``."""
+
+    disagg_prefill_threshold_tokens: int = Field(default=1000, ge=0)
+    """Prefill remotely only when the uncached prompt is longer than this
+    (tokens). Defaults to 1000 (Dynamo's default)."""
+
+    disagg_max_prefill_queue_per_worker: int = Field(default=2, ge=1)
+    """Prefill remotely only while the prefill pool's queue is shorter than this
+    many requests per prefill worker. Defaults to 2."""
+
+    kv_transfer_backend: Literal["auto", "nixl", "tcp"] = "auto"
+    """KV transfer transport: NIXL when it initialises, else TCP (``auto``).
+    Defaults to ``auto``."""
+
+    kv_transfer_host: str = "127.0.0.1"
+    """Address prefill workers advertise for KV pulls; must be routable from
+    decode workers on multi-host deployments. Defaults to ``127.0.0.1``."""
+
+    kv_transfer_ttl_s: float = Field(default=60.0, gt=0)
+    """Exposed KV not pulled within this many seconds is freed. Defaults to 60."""
+
+    kv_transfer_nixl_progress_thread: bool = False
+    """Run NIXL's own progress thread (busy-polls a core; for many-core GPU
+    nodes). Defaults to ``False``."""

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import faust
 
-from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
-from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers, note_routed
+from kvflow.router.disagg import DisaggConfig, route_and_forward
+from kvflow.router.policies import NoWorkerAvailable, RouteRequest
+from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     DeadLetter,
     ErrorInfo,
@@ -102,6 +103,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     )
     state = RouterApp(app=app, table=RoutingTable(), settings=settings, catalog=catalog,
                       router_id=router_id, policy=policy)
+    disagg_config = DisaggConfig.from_settings(settings)
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
@@ -159,18 +161,16 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             lora_name=request.lora_name,
         )
         try:
-            decision = select_worker(state.policy, route_req, state.table)
+            await route_and_forward(state.policy, request, route_req, state.table, disagg_config, send_record,
+                                    router_id=router_id, now_ms=now)
         except NoWorkerAvailable as exc:
             state.counters["rejected"] += 1
             await reply_error(request, str(exc), status=503, code="no_workers")
             return
-        worker = state.table.workers[decision.worker_id]
-        decision = decision.model_copy(update={"router_id": router_id, "decided_ms": now})
-        routed = request.model_copy(update={"routing": decision})
-        note_routed(state.table, worker.worker_id)
         state.counters["routed"] += 1
-        await app.producer.send(worker.queue_topic, request.request_id.encode(), encode(routed),
-                                worker.queue_partition, None, None)
+
+    async def send_record(topic: str, partition: int, key: bytes, value: bytes) -> None:
+        await app.producer.send(topic, key, value, partition, None, None)
 
     async def reply_error(request: InferenceRequest, message: str, *, status: int, code: str) -> None:
         final = FinalResponse(

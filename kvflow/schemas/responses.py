@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.schemas.base import Record
 from kvflow.schemas.requests import RoutingDecision
+from kvflow.schemas.transfer import KvTransferInfo
 
 __all__ = ["FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse", "ResponseEvent"]
 
@@ -71,6 +72,8 @@ class FinalResponse(Record):
     """The last record of a request: full text, usage, timings and routing.
 
     ``error`` is set (and ``finish_reason`` is ``error``) when the request failed.
+    ``kv_transfer`` is set when the prompt was prefilled on another worker
+    (disaggregated serving): which one, and how the KV moved.
     """
 
     type: Literal["final"] = "final"
@@ -83,6 +86,7 @@ class FinalResponse(Record):
     worker_id: str = ""
     routing: RoutingDecision | None = None
     error: ErrorInfo | None = None
+    kv_transfer: KvTransferInfo | None = None
 
 
 ResponseEvent = Annotated[Union[TokenDelta, FinalResponse], Field(discriminator="type")]

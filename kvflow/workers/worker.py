@@ -11,6 +11,13 @@ resumes where it left off.
 Delivery: a queue record's offset is committed once its request has been
 handed to the engine, so a crash loses at most the requests in flight
 (at-most-once); a drain loses none (see :meth:`Worker.drain`).
+
+Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
+(:mod:`kvflow.schemas.transfer`) takes the prefill or decode path of
+:mod:`kvflow.workers.disagg`; every other record is served aggregated. The
+worker owns one :class:`~kvflow.workers.kv.transfer.KvTransport`, created
+on first use (at start for prefill and decode workers whose engine has real
+KV), and a draining worker waits for its exposed KV to be pulled.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +54,13 @@ from kvflow.schemas import (
     encode,
     now_ms,
 )
+from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, parse_stage
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import DeadLetterWriter, make_consumer, make_producer
-from kvflow.workers.engines.base import Engine, EngineError, GenerateRequest
+from kvflow.workers import disagg
+from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
+from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.stops import StopChecker
 
 __all__ = ["WorkerConfig", "Worker"]
@@ -113,6 +124,8 @@ class Worker:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._last_tokens = (time.monotonic(), 0, 0)
+        self._transport: KvTransport | None = None
+        self._transport_lock = asyncio.Lock()
 
     # lifecycle -------------------------------------------------------------
 
@@ -132,6 +145,8 @@ class Worker:
         self.control.assign([dump_tp])
         await self.control.seek_to_end(dump_tp)
         await self.control.position(dump_tp)
+        if self.config.role is not WorkerRole.aggregated and hasattr(type(self.engine), "kv_layout"):
+            await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -175,6 +190,9 @@ class Worker:
         for item in list(self.inflight.values()):
             item.task.cancel()
         await asyncio.gather(*(i.task for i in self.inflight.values()), return_exceptions=True)
+        while (self._transport is not None and self._transport.num_exposed and time.monotonic() < deadline
+               and self.status == WorkerStatus.draining):
+            await asyncio.sleep(0.05)  # decode workers are still pulling KV prefilled here
         self.status = WorkerStatus.stopped
         with contextlib.suppress(Exception):
             await self._heartbeat()
@@ -184,6 +202,8 @@ class Worker:
         with contextlib.suppress(Exception):
             await self._flush_kv_events()
         await self.engine.stop()
+        if self._transport is not None:
+            await self._transport.close()
         await self.control.stop()
         await self.consumer.stop()
         await self.producer.stop()
@@ -214,6 +234,26 @@ class Worker:
         await self.producer.send(request.reply_to.topic, encode(record), key=request.request_id.encode(),
                                  partition=request.reply_to.partition)
 
+    async def send_to(self, topic: str, partition: int, key: bytes, record: Any) -> None:
+        """Produce ``record`` to ``topic[partition]`` (waits for the broker's ack,
+        so a forwarded request is durable before this worker lets go of it)."""
+        await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition)
+
+    async def kv_transport(self) -> KvTransport:
+        """This worker's KV transport, started on first use (NIXL or TCP, see
+        :class:`~kvflow.workers.kv.transfer.KvTransport`).
+
+        Raises:
+            kvflow.workers.kv.transfer.TransferError: the configured backend
+                (``nixl`` only) could not start.
+        """
+        async with self._transport_lock:
+            if self._transport is None:
+                transport = KvTransport(self.config.worker_id, TransferConfig.from_settings(self.settings))
+                await transport.start()
+                self._transport = transport
+        return self._transport
+
     async def _serve(self, request: InferenceRequest) -> None:
         received = now_ms()
         try:
@@ -241,7 +281,9 @@ class Worker:
                             code=code, status=status),
         )
 
-    def _prompt_ids(self, request: InferenceRequest) -> list[int]:
+    def prompt_ids(self, request: InferenceRequest) -> list[int]:
+        """The request's prompt token ids (shape [ISL]): ``token_ids`` when the
+        producer tokenized, else the engine's tokenizer applied to the messages or prompt."""
         if request.token_ids is not None:
             return list(request.token_ids)
         tokenizer = self.tokenizer
@@ -264,44 +306,68 @@ class Worker:
             await self._send(request, self._error(request, "deadline passed before the request started", 504,
                                                   "deadline_exceeded"))
             return
+        try:
+            stage = parse_stage(request.disaggregated_params)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        if isinstance(stage, PrefillStage):
+            await disagg.serve_prefill(self, request, stage, received_ms)
+            return
+        if isinstance(stage, DecodeStage):
+            await disagg.serve_decode(self, request, stage, received_ms)
+            return
+        prompt_ids = self.prompt_ids(request)
+        gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                              sampling=request.sampling, lora_name=request.lora_name)
+        await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
+
+    async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],
+                             outputs: AsyncIterator[EngineOutput], received_ms: int, started_ms: int, *,
+                             cached_tokens: int | None = None, kv_transfer: KvTransferInfo | None = None) -> None:
+        """Stream an engine's ``outputs`` for ``request`` to its ``reply_to``: detokenize,
+        apply stop strings, one :class:`TokenDelta` per output, then the :class:`FinalResponse`.
+
+        ``cached_tokens`` overrides the prefix-cache hit reported by the
+        first output (a remote prefill reports the prefill worker's);
+        ``kv_transfer`` is echoed on the final response.
+        """
         from kvflow.workers.tokenizer import IncrementalDetokenizer
 
-        prompt_ids = self._prompt_ids(request)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopChecker(request.sampling.stop)
-        started = now_ms()
         first_ms = 0
         cached = 0
         output_ids: list[int] = []
         index = 0
         finish = FinishReason.length
-        gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                              sampling=request.sampling, lora_name=request.lora_name)
         text_parts: list[str] = []
-        async for out in self.engine.generate(gen):
-            if not first_ms:
-                first_ms, cached = now_ms(), out.num_cached_tokens
-            output_ids.extend(out.token_ids)
-            text, stopped = stops.feed(detok.add(out.token_ids))
-            if stopped:
-                await self.engine.abort(request.request_id)
-                finish = FinishReason.stop
-            elif out.finish_reason is not None:
-                finish = out.finish_reason
-                text += stops.flush() + detok.flush()
-            if text or out.token_ids:
-                text_parts.append(text)
-                await self._send(request, TokenDelta(request_id=request.request_id, index=index,
-                                                     token_ids=out.token_ids, text=text,
-                                                     worker_id=self.config.worker_id))
-                index += 1
-            if stopped or out.finish_reason is not None:
-                break
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if not first_ms:
+                    first_ms = now_ms()
+                    cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                output_ids.extend(out.token_ids)
+                text, stopped = stops.feed(detok.add(out.token_ids))
+                if stopped:
+                    await self.engine.abort(request.request_id)
+                    finish = FinishReason.stop
+                elif out.finish_reason is not None:
+                    finish = out.finish_reason
+                    text += stops.flush() + detok.flush()
+                if text or out.token_ids:
+                    text_parts.append(text)
+                    await self._send(request, TokenDelta(request_id=request.request_id, index=index,
+                                                         token_ids=out.token_ids, text=text,
+                                                         worker_id=self.config.worker_id))
+                    index += 1
+                if stopped or out.finish_reason is not None:
+                    break
         final = FinalResponse(
             request_id=request.request_id, text="".join(text_parts), token_ids=output_ids, finish_reason=finish,
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=cached),
-            timings=Timings(queued_ms=received_ms, started_ms=started, first_token_ms=first_ms, finished_ms=now_ms()),
-            worker_id=self.config.worker_id, routing=request.routing,
+            timings=Timings(queued_ms=received_ms, started_ms=started_ms, first_token_ms=first_ms,
+                            finished_ms=now_ms()),
+            worker_id=self.config.worker_id, routing=request.routing, kv_transfer=kv_transfer,
         )
         await self._send(request, final)
 

@@ -8,6 +8,14 @@ Prometheus and, for requests that reached the pipeline, hands one
 
 Times are measured on the bridge from the moment the HTTP body was read, so
 TTFT includes tokenization, Kafka hops, routing and queueing.
+
+Disaggregated serving is read off each successful final response: a request
+whose ``kv_transfer`` is set and not ``recomputed`` had its prefill on a
+prefill worker (``kvflow_prefill_remote_total``), every other one on the
+worker that decoded it (``kvflow_prefill_local_total``); the transfer's size
+and duration feed two histograms. :meth:`BridgeMetrics.track_workers` adds a
+scrape-time gauge of the prefill pool's queue depth from the bridge's worker
+registry.
 """
 
 from __future__ import annotations
@@ -15,14 +23,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from kvflow.schemas import FinalResponse, RequestMetrics, TokenDelta, encode, now_ms
+from kvflow.schemas import FinalResponse, RequestMetrics, TokenDelta, WorkerRole, encode, now_ms
 from kvflow.streams.catalog import Catalog
+
+if TYPE_CHECKING:
+    from kvflow.streams.bridge.worker_registry import WorkerRegistry
 
 __all__ = ["BridgeMetrics", "RequestObserver", "MetricsPublisher", "STATUS_CLIENT_CLOSED"]
 
@@ -38,6 +52,12 @@ _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))
+# KV transfers: 64 KiB (a few tokens of a small model) to 16 GiB (a 128k
+# context of a 70B model) in steps of 4x; durations from a fast NVLink/RDMA
+# pull (0.1 ms) to a slow TCP pull of a long context (10 s).
+_KV_BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 35, 2))
+_KV_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                       2.5, 10.0)
 
 
 class BridgeMetrics:
@@ -63,6 +83,61 @@ class BridgeMetrics:
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.osl = Histogram("kvflow_bridge_osl_tokens", "Output sequence length.", ["model"],
                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefill_remote = Counter("kvflow_prefill_remote", "Requests whose prefill ran on a prefill worker.",
+                                      ["model"], registry=r)
+        self.prefill_local = Counter("kvflow_prefill_local", "Requests prefilled by the worker that decoded them.",
+                                     ["model"], registry=r)
+        self.kv_recomputed = Counter("kvflow_kv_transfer_recomputed",
+                                     "Remote prefills whose KV could not be used; the decode worker recomputed.",
+                                     ["model"], registry=r)
+        self.kv_bytes = Histogram("kvflow_kv_transfer_bytes", "KV bytes pulled per remote prefill.", ["backend"],
+                                  buckets=_KV_BYTES_BUCKETS, registry=r)
+        self.kv_seconds = Histogram("kvflow_kv_transfer_seconds", "Duration of the KV pull of a remote prefill.",
+                                    ["backend"], buckets=_KV_SECONDS_BUCKETS, registry=r)
+        self._tracking: WorkerRegistry | None = None
+
+    def track_workers(self, workers: WorkerRegistry) -> None:
+        """Expose ``kvflow_prefill_queue_depth`` (per model: waiting requests
+        summed over live prefill workers, as of their last heartbeats) and
+        ``kvflow_prefill_workers``, computed from ``workers`` at each scrape.
+        Call once per registry; later calls are ignored."""
+        if self._tracking is None:
+            self._tracking = workers
+            self.registry.register(_PrefillPoolCollector(workers))
+
+    def observe_final(self, model: str, final: FinalResponse) -> None:
+        """Count where a successful request's prefill ran and how its KV moved."""
+        transfer = final.kv_transfer
+        if transfer is not None and transfer.recomputed:
+            self.kv_recomputed.labels(model).inc()
+        if transfer is None or transfer.recomputed:
+            self.prefill_local.labels(model).inc()
+            return
+        self.prefill_remote.labels(model).inc()
+        self.kv_bytes.labels(transfer.backend).observe(transfer.num_bytes)
+        self.kv_seconds.labels(transfer.backend).observe(transfer.transfer_ms / 1000)
+
+
+class _PrefillPoolCollector(Collector):
+    """Scrape-time gauges of the prefill pool, read from the bridge's worker registry."""
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("kvflow_prefill_queue_depth",
+                                  "Requests waiting on live prefill workers (sum of heartbeat waiting_requests).",
+                                  labels=["model"])
+        count = GaugeMetricFamily("kvflow_prefill_workers", "Live serving prefill workers.", labels=["model"])
+        per_model: dict[str, list[int]] = {}
+        for w in self.workers.live_workers():
+            if w.role == WorkerRole.prefill:
+                per_model.setdefault(w.model, []).append(w.waiting_requests)
+        for model, waiting in sorted(per_model.items()):
+            depth.add_metric([model], float(sum(waiting)))
+            count.add_metric([model], float(len(waiting)))
+        yield depth
+        yield count
 
 
 @dataclass
@@ -134,6 +209,8 @@ class RequestObserver:
         osl = self.final.usage.completion_tokens if self.final is not None else self.osl_seen
         if status == 200:
             self.metrics.osl.labels(self.model).observe(osl)
+            if self.final is not None:
+                self.metrics.observe_final(self.model, self.final)
         if self.publish is not None:
             self.publish(self._record(status, now, osl))
 

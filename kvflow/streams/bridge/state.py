@@ -77,6 +77,7 @@ class BridgeState:
             self.max_body_bytes = default_max_body_bytes(self.settings.max_prompt_tokens)
         if self.retry_after_s <= 0:
             self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
+        self.metrics.track_workers(self.registry)
 
 
 def get_state(request: Request) -> BridgeState:

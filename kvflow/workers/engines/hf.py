@@ -37,6 +37,18 @@ so its text before the stop string is lost (rare with byte-level BPE, whose
 pre-tokenizer splits at word and punctuation boundaries). On EOS the EOS token
 is the last token sent (decoding skips it).
 
+Disaggregated serving (:mod:`kvflow.workers.kv.handoff`): :meth:`HfEngine.prefill`
+runs only the prefill of a request inside the same step loop (same forward
+pass, same sampling, prefix cache and KV events as an aggregated request)
+and returns its first token with the prompt KV packed as blocks
+``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``;
+:meth:`HfEngine.generate_from_kv` takes the leading blocks it already caches
+from its prefix cache, pulls the rest, rebuilds per-layer ``[1, kv_heads,
+ISL, head_dim]`` KV, streams the prefill's first token and joins the running
+batch exactly where an aggregated request would after its prefill. The KV
+bytes are the prefill's own, so greedy output is token for token that of
+aggregated serving.
+
 Supported models: decoder-only transformers models whose cache layers are all
 full attention (Llama, Qwen2 without sliding window, ...). Sliding-window
 layers would break the left-padded layout and are refused at start.
@@ -46,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -59,6 +72,8 @@ import torch.nn.functional as F
 from kvflow.router.hashing import compute_block_hashes
 from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
+from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
+from kvflow.workers.kv.transfer import TransferError
 from kvflow.workers.models import resolve_model
 from kvflow.workers.stops import StopChecker
 from kvflow.workers.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -92,6 +107,9 @@ class _Sequence:
     sent_first: bool = False
     finished: bool = False
     abort_requested: bool = False
+    prefill_only: bool = False  # disaggregated prefill: stop after the first token, hand back the KV
+    imported: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (reused cache blocks, pulled bytes)
+    first_token: int | None = None  # the remote prefill's first token (with ``imported``)
 
     @property
     def num_output_tokens(self) -> int:
@@ -131,6 +149,22 @@ class _PrefixCache:
                 break
             found.append(block)
         self.touch(block_hashes[: len(found)])
+        return found
+
+    def peek(self, block_hashes: list[int]) -> list[torch.Tensor]:
+        """Blocks of the longest cached prefix of ``block_hashes``, without touching the LRU order.
+
+        Safe to call from the event-loop thread while a step runs in its
+        worker thread: each ``dict.get`` is atomic under the GIL, and the
+        caller holds references to the returned tensors, so an eviction
+        racing with it cannot free them.
+        """
+        found: list[torch.Tensor] = []
+        for h in block_hashes:
+            block = self._blocks.get(h)
+            if block is None:
+                break
+            found.append(block)
         return found
 
     def insert(self, block_hash: int, block: torch.Tensor) -> None:
@@ -199,6 +233,27 @@ class _Batch:
         return [(k[i, :, -n:], v[i, :, -n:]) for k, v in self.kv]
 
 
+def _pack_blocks(kv: LayerKv, block_size: int) -> torch.Tensor:
+    """Pack one request's per-layer KV (each ``[1, kv_heads, n, head_dim]``) into
+    contiguous blocks ``[ceil(n / block_size), layers, 2, kv_heads, block_size, head_dim]``,
+    zero-padding the last block."""
+    stacked = torch.stack([torch.stack((k[0], v[0])) for k, v in kv])  # [L, 2, h, n, d]
+    layers, _, heads, n, dim = stacked.shape
+    num_blocks = -(-n // block_size)
+    if num_blocks * block_size > n:
+        stacked = F.pad(stacked, (0, 0, 0, num_blocks * block_size - n))
+    return stacked.view(layers, 2, heads, num_blocks, block_size, dim).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+
+def _unpack_blocks(blocks: torch.Tensor, num_tokens: int) -> LayerKv:
+    """Inverse of :func:`_pack_blocks`: blocks ``[N, L, 2, h, bs, d]`` → per-layer
+    (keys, values), each ``[1, h, num_tokens, d]`` and contiguous."""
+    num_blocks, layers, _, heads, block_size, dim = blocks.shape
+    flat = blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, num_blocks * block_size, dim)
+    flat = flat[:, :, :, :num_tokens]
+    return [(flat[i, 0].unsqueeze(0).contiguous(), flat[i, 1].unsqueeze(0).contiguous()) for i in range(layers)]
+
+
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Sample one token id from ``logits`` ``[vocab]`` with temperature and nucleus (top-p) filtering.
 
@@ -260,6 +315,7 @@ class HfEngine(Engine):
         self._vocab_size = 0
         self._prefill_tokens_total = 0
         self._decode_tokens_total = 0
+        self._layout: KvLayout | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -313,6 +369,8 @@ class HfEngine(Engine):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         block_bytes = self._num_layers * 2 * kv_heads * self.block_size * head_dim * dtype.itemsize
+        self._layout = KvLayout(str(dtype).removeprefix("torch."),
+                                (self._num_layers, 2, int(kv_heads), self.block_size, int(head_dim)))
         budget = float(self.config.extra.get("kv_cache_mb", _DEFAULT_KV_CACHE_MB)) * 2**20
         self._cache = _PrefixCache(max(1, min(self.config.num_kv_blocks, int(budget // block_bytes))))
 
@@ -363,6 +421,18 @@ class HfEngine(Engine):
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         return seq
 
+    @property
+    def kv_layout(self) -> KvLayout:
+        """Shape and dtype of one transferred KV block (``[layers, 2, kv_heads,
+        block_size, head_dim]``).
+
+        Raises:
+            EngineError: the engine is not started.
+        """
+        if self._layout is None:
+            raise EngineError("HfEngine.kv_layout is available after start()")
+        return self._layout
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
         """Serve ``request``; yields outputs until one carries a finish reason.
 
@@ -375,6 +445,83 @@ class HfEngine(Engine):
         """
         seq = self._new_sequence(request)
         self._seqs[request.request_id] = seq
+        async with contextlib.aclosing(self._run_sequence(seq)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        """Prefill ``request`` only (disaggregated serving): its first token and its KV.
+
+        The prompt runs through the normal step loop: prefix-cache reuse,
+        the same forward pass and sampling as :meth:`generate`, and its full
+        blocks are stored in the prefix cache (with KV events). The KV comes
+        back as a :class:`~kvflow.workers.kv.handoff.KvPayload` of
+        ``ceil(ISL / block_size)`` blocks on this engine's device.
+
+        Raises:
+            EngineError: as :meth:`generate`, or the request was aborted
+                before its prefill ran.
+        """
+        seq = self._new_sequence(request)
+        seq.prefill_only = True
+        self._seqs[request.request_id] = seq
+        self._waiting.append(seq)
+        self._wakeup.set()
+        try:
+            item = await seq.outputs.get()
+        finally:
+            if self._seqs.get(request.request_id) is seq:
+                del self._seqs[request.request_id]
+            if not seq.finished:
+                self._request_abort(seq)
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, PrefillResult):
+            return item
+        raise EngineError(f"{request.request_id}: aborted before its prefill ran")
+
+    async def generate_from_kv(self, request: GenerateRequest, handoff: KvHandoff) -> AsyncIterator[EngineOutput]:
+        """Decode ``request`` from a remote prefill; yields outputs as :meth:`generate`.
+
+        The first output is ``handoff.first_token_id``. Leading prompt blocks
+        found in this engine's prefix cache are not pulled
+        (``handoff.fetch(first_block=len(reused))``); the first output
+        reports them as ``num_cached_tokens``.
+
+        Raises:
+            EngineError: as :meth:`generate`.
+            TransferError: the handoff's KV layout or length does not match
+                this engine and prompt, or the pull failed (before any output,
+                so the caller can prefill locally instead).
+        """
+        seq = self._new_sequence(request)
+        prompt = seq.token_ids
+        if handoff.layout != self._layout:
+            raise TransferError(f"{request.request_id}: KV layout {handoff.layout} does not match {self._layout}")
+        if handoff.num_tokens != len(prompt) or handoff.num_blocks != -(-len(prompt) // self.block_size):
+            raise TransferError(f"{request.request_id}: KV of {handoff.num_tokens} tokens for a "
+                                f"{len(prompt)}-token prompt")
+        reused: list[torch.Tensor] = []
+        if self._prefix_caching:
+            reused = self._cache.peek(compute_block_hashes(prompt, self.block_size)[: len(prompt) // self.block_size])
+        self._seqs[request.request_id] = seq
+        try:
+            pulled = await handoff.fetch(len(reused), device=self._device)
+        except BaseException:
+            if self._seqs.get(request.request_id) is seq:
+                del self._seqs[request.request_id]
+            raise
+        seq.imported, seq.first_token = (reused, pulled), handoff.first_token_id
+        seq.num_cached_tokens = len(reused) * self.block_size
+        if handoff.sampler_state is not None and seq.generator is not None:
+            seq.generator.set_state(torch.frombuffer(bytearray(handoff.sampler_state), dtype=torch.uint8))
+        async with contextlib.aclosing(self._run_sequence(seq)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _run_sequence(self, seq: _Sequence) -> AsyncIterator[EngineOutput]:
+        """Queue a registered ``seq`` for the step loop and relay its outputs."""
+        request = seq.request
         self._waiting.append(seq)
         self._wakeup.set()
         try:
@@ -488,8 +635,16 @@ class HfEngine(Engine):
                     seq.finished = True
                     results.append((seq, EngineOutput(token_ids=[], finish_reason=FinishReason.abort)))
                     continue
-                kv, logits = self._prefill(seq)
-                out = self._advance(seq, self._sample(logits, [seq])[0])
+                if seq.imported is not None:
+                    kv = self._import_kv(seq)
+                    out = self._advance(seq, seq.first_token)
+                else:
+                    kv, logits = self._prefill(seq)
+                    token = self._sample(logits, [seq])[0]
+                    if seq.prefill_only:
+                        results.append((seq, self._finish_prefill(seq, token, kv, events)))
+                        continue
+                    out = self._advance(seq, token)
                 events += self._store_blocks(seq, [(k[0], v[0]) for k, v in kv])
                 if out is not None:
                     results.append((seq, out))
@@ -525,6 +680,33 @@ class HfEngine(Engine):
         logits, kv = self._forward(input_ids, positions, None, past)
         self._prefill_tokens_total += len(prompt) - cached
         return kv, logits
+
+    def _finish_prefill(self, seq: _Sequence, token: int, kv: LayerKv, events: list[KvEvent]) -> PrefillResult:
+        """End a prefill-only sequence: cache its blocks, pack its KV, capture the sampler state."""
+        seq.token_ids.append(token)
+        seq.finished = True
+        events += self._store_blocks(seq, [(k[0], v[0]) for k, v in kv])
+        blocks = _pack_blocks(kv, self.block_size)
+        num_tokens = seq.num_prompt_tokens
+        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
+        return PrefillResult(
+            first_token_id=token, num_prompt_tokens=num_tokens, num_cached_tokens=seq.num_cached_tokens,
+            kv=KvPayload(blocks, self._layout, blocks.shape[0], num_tokens),
+            num_kv_bytes=blocks.numel() * blocks.element_size(), sampler_state=state,
+        )
+
+    def _import_kv(self, seq: _Sequence) -> LayerKv:
+        """Per-layer KV ``[1, h, ISL, d]`` of an imported sequence: its reused cache blocks, then
+        the pulled bytes viewed as blocks."""
+        reused, pulled = seq.imported
+        parts = [torch.stack(reused)] if reused else []
+        if pulled.numel():
+            dtype = getattr(torch, self._layout.dtype)
+            parts.append(pulled.view(dtype).view(-1, *self._layout.block_shape).to(self._device))
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+        seq.num_stored_blocks = len(reused)
+        seq.imported = (reused, pulled[:0])  # drop the staging bytes once viewed
+        return _unpack_blocks(blocks, seq.num_prompt_tokens)
 
     def _decode(self, events: list[KvEvent]) -> list[tuple[_Sequence, EngineOutput]]:
         """One decode forward pass over the whole running batch; one token per request."""

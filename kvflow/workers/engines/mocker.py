@@ -6,12 +6,21 @@ events to :meth:`Engine.emit_kv_events`. Tokens thus arrive at the times a
 real engine with Dynamo's timing model would produce them. Requests added
 during a sleep join at the next step, as they would on a GPU busy with the
 current batch. ``sleep`` is injectable so tests can run faster than real time.
+
+Disaggregated serving: :meth:`MockerEngine.prefill` runs a request with
+``max_tokens = 1`` and reports the KV size a real transfer would move
+(``ISL × kv_bytes_per_token``); no bytes exist. :meth:`MockerEngine.generate_from_kv`
+sleeps the simulated transfer of the prompt tokens not in its own prefix
+cache (:func:`~kvflow.workers.engines.mocker_core.kv_transfer_time_ms`,
+divided by ``speedup_ratio``), streams the prefill's first token, then
+decodes in the core from token 1 (``kv_imported``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
@@ -25,7 +34,8 @@ from kvflow.workers.engines.base import (
     GenerateRequest,
     KvStats,
 )
-from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore
+from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, kv_transfer_time_ms
+from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 
 __all__ = ["MockerEngine"]
 
@@ -163,11 +173,72 @@ class MockerEngine(Engine):
             EngineError: the engine is not started, or the core rejects the
                 request (empty prompt, duplicate id, larger than the KV pool).
         """
+        self._check_new(request)
+        async with contextlib.aclosing(self._relay(request, kv_imported=False)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def _check_new(self, request: GenerateRequest) -> None:
         if self._task is None or self._task.done():
             raise EngineError("mocker engine is not started")
         if request.request_id in self._queues:
             raise EngineError(f"request {request.request_id} is already in flight")
-        self.core.add_request(request)
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        """Prefill only (disaggregated serving): run ``request`` for one token.
+
+        Returns the first token (as served, i.e. mapped to text ids), the
+        prefix-cache hit, and ``num_kv_bytes = ISL × kv_bytes_per_token``
+        (``kv`` is None: the mocker has no KV bytes).
+
+        Raises:
+            EngineError: as :meth:`generate`, or the request was aborted.
+        """
+        one = dataclasses.replace(request, sampling=request.sampling.model_copy(update={"max_tokens": 1}))
+        outputs = [out async for out in self.generate(one)]
+        last = outputs[-1]
+        if last.finish_reason is FinishReason.abort or not last.token_ids:
+            raise EngineError(f"{request.request_id}: aborted before its prefill ran")
+        num_prompt = len(request.prompt_token_ids)
+        return PrefillResult(first_token_id=last.token_ids[0], num_prompt_tokens=num_prompt,
+                             num_cached_tokens=outputs[0].num_cached_tokens,
+                             num_kv_bytes=num_prompt * self.config.kv_bytes_per_token)
+
+    async def generate_from_kv(self, request: GenerateRequest, handoff: KvHandoff) -> AsyncIterator[EngineOutput]:
+        """Decode ``request`` after a (simulated) KV transfer from a prefill worker.
+
+        Sleeps the modelled transfer of the prompt tokens not cached here,
+        records it in ``handoff.stats``, releases the source, yields
+        ``handoff.first_token_id`` (reporting the reused tokens as
+        ``num_cached_tokens``), then the core's tokens 1, 2, ... Leaving the
+        iteration early aborts the request.
+
+        Raises:
+            EngineError: as :meth:`generate`.
+        """
+        self._check_new(request)
+        cfg = self.config
+        num_prompt = len(request.prompt_token_ids)
+        reused = self.core.cached_prompt_tokens(request)
+        moved = num_prompt - reused
+        duration_ms = kv_transfer_time_ms(cfg, moved) / cfg.speedup_ratio
+        await self._sleep(duration_ms / 1000.0)
+        num_blocks = -(-num_prompt // cfg.block_size)
+        handoff.record_simulated(moved * cfg.kv_bytes_per_token, duration_ms,
+                                 num_blocks - reused // cfg.block_size, reused // cfg.block_size)
+        await handoff.release()
+        if request.sampling.max_tokens <= 1:
+            yield EngineOutput([handoff.first_token_id], FinishReason.length, reused)
+            return
+        self._check_new(request)
+        yield EngineOutput([handoff.first_token_id], None, reused)
+        async with contextlib.aclosing(self._relay(request, kv_imported=True)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _relay(self, request: GenerateRequest, *, kv_imported: bool) -> AsyncIterator[EngineOutput]:
+        """Add ``request`` to the core and yield its outputs (token ids mapped to text ids)."""
+        self.core.add_request(request, kv_imported=kv_imported)
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wake.set()

@@ -42,6 +42,15 @@ Coefficients are Dynamo's polynomial perf model
 (``lib/mocker/src/common/perf_model.rs``: ``polynomial_prefill_time`` and
 ``polynomial_decode_time``, decode floored at 1 ms).
 
+Disaggregated serving: :func:`kv_transfer_time_ms` models moving a prompt's
+KV from a prefill worker (``latency + tokens · bytes_per_token /
+bandwidth``), and ``add_request(..., kv_imported=True)`` admits a request
+whose prompt KV arrived that way: its prompt costs no prefill time, its
+blocks are allocated (reusing cached ones) and committed as if computed, and
+it continues from output token 1 (token 0 is the prefill worker's, which is
+the same id because token ids depend only on the request id and ``seed``).
+A prefill-only request is an ordinary request with ``max_tokens = 1``.
+
 The mocker has no end-of-sequence token: every request produces exactly
 ``max_tokens`` tokens and finishes with ``length``; ``ignore_eos`` and the
 other sampling settings are ignored. Output ids are pseudo-random but
@@ -63,7 +72,7 @@ from kvflow.schemas import FinishReason, KvEvent
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
 
-__all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms"]
+__all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms", "kv_transfer_time_ms"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
@@ -98,9 +107,18 @@ class MockerConfig:
             block usage in [0, 1]. Defaults to ``(-25.74, 54.01, 5.74)``.
         vocab_size: output ids are drawn from ``[0, vocab_size)``. Defaults
             to ``49152`` (the SmolLM2 vocabulary).
+        kv_bytes_per_token: KV bytes of one token, for simulated transfers.
+            Defaults to ``131072`` (Llama-3.1-8B in bf16: 32 layers × 8 KV
+            heads × 128 head dim × 2 (K and V) × 2 bytes).
+        kv_transfer_bytes_per_s: bandwidth of simulated KV transfers.
+            Defaults to ``50e9`` (one 400 Gb/s RDMA NIC at line rate).
+        kv_transfer_latency_ms: fixed cost of one simulated transfer
+            (descriptor exchange, first byte). Defaults to ``1.0`` (kvflow's
+            choice).
 
     Raises:
-        ValueError: a size is < 1 or ``speedup_ratio`` <= 0.
+        ValueError: a size is < 1, ``speedup_ratio`` or the transfer
+            bandwidth <= 0, or the transfer latency < 0.
     """
 
     block_size: int = 64
@@ -114,6 +132,9 @@ class MockerConfig:
     prefill_coeffs: tuple = (4.209989e-07, 1.518344e-02, 16.50142)
     decode_coeffs: tuple = (-25.74, 54.01, 5.74)
     vocab_size: int = 49152
+    kv_bytes_per_token: int = 131072
+    kv_transfer_bytes_per_s: float = 50e9
+    kv_transfer_latency_ms: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "vocab_size"):
@@ -121,6 +142,10 @@ class MockerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.speedup_ratio > 0:
             raise ValueError(f"speedup_ratio must be > 0, got {self.speedup_ratio}")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
+        if not self.kv_transfer_bytes_per_s > 0 or self.kv_transfer_latency_ms < 0:
+            raise ValueError("kv_transfer_bytes_per_s must be > 0 and kv_transfer_latency_ms >= 0")
         if len(self.prefill_coeffs) != 3 or len(self.decode_coeffs) != 3:
             raise ValueError("prefill_coeffs and decode_coeffs take three coefficients (a, b, c)")
 
@@ -146,6 +171,18 @@ def decode_time_ms(config: MockerConfig, usage: float) -> float:
     u = min(max(usage, 0.0), 1.0)
     a, b, c = config.decode_coeffs
     return max(1.0, a * u * u + b * u + c)
+
+
+def kv_transfer_time_ms(config: MockerConfig, num_tokens: int) -> float:
+    """Simulated time (ms, before speedup) to move the KV of ``num_tokens`` tokens between workers.
+
+    ``kv_transfer_latency_ms + num_tokens · kv_bytes_per_token / kv_transfer_bytes_per_s``;
+    0 when nothing moves.
+    """
+    if num_tokens <= 0:
+        return 0.0
+    seconds = num_tokens * config.kv_bytes_per_token / config.kv_transfer_bytes_per_s
+    return config.kv_transfer_latency_ms + seconds * 1000
 
 
 @dataclass
@@ -175,7 +212,7 @@ class _Seq:
 
     __slots__ = (
         "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
-        "hashes", "hash_seed", "lora_name", "token_seed", "cap", "committed", "running",
+        "hashes", "hash_seed", "lora_name", "token_seed", "cap", "committed", "running", "imported",
     )
 
     def __init__(self, request: GenerateRequest, config: MockerConfig) -> None:
@@ -197,6 +234,16 @@ class _Seq:
         self.cap = 0  # tokens the allocated blocks can hold
         self.committed = 0  # blocks committed to the pool
         self.running = False
+        self.imported = False  # prompt KV came from a remote prefill (see MockerCore.add_request)
+
+    def import_first_token(self, config: MockerConfig) -> None:
+        """Append output token 0 (what the prefill worker sampled) and extend the block hashes."""
+        token = _xxh3(_pack_pair(self.token_seed, 0)) % config.vocab_size
+        self.tokens.append(token)
+        self.num_generated = 1
+        self.imported = True
+        if config.enable_prefix_caching:
+            self.hashes = compute_block_hashes(self.tokens, config.block_size, self.lora_name)
 
 
 class MockerCore:
@@ -222,8 +269,13 @@ class MockerCore:
 
     # ---- requests ------------------------------------------------------
 
-    def add_request(self, request: GenerateRequest) -> None:
+    def add_request(self, request: GenerateRequest, *, kv_imported: bool = False) -> None:
         """Queue ``request`` (FCFS) for the next :meth:`step`.
+
+        With ``kv_imported`` the prompt's KV comes from a remote prefill
+        (disaggregated decode): output token 0 counts as already produced
+        and the prompt is admitted without prefill work; the first output of
+        :meth:`step` for it is token 1. ``max_tokens`` must then be >= 2.
 
         Raises:
             EngineError: empty prompt, duplicate in-flight ``request_id``, or
@@ -239,10 +291,14 @@ class MockerCore:
             raise EngineError(
                 f"request {request.request_id} needs {footprint} KV blocks, the pool has {self.config.num_kv_blocks}"
             )
+        if kv_imported and request.sampling.max_tokens < 2:
+            raise EngineError(f"request {request.request_id}: an imported-KV request needs max_tokens >= 2")
         try:
             seq = _Seq(request, self.config)
         except ValueError as exc:
             raise EngineError(f"request {request.request_id}: {exc}") from exc
+        if kv_imported:
+            seq.import_first_token(self.config)
         self._seqs[seq.rid] = seq
         self._waiting.append(seq)
 
@@ -256,6 +312,14 @@ class MockerCore:
         else:
             self._waiting.remove(seq)
         self.pool.free(seq.rid)
+
+    def cached_prompt_tokens(self, request: GenerateRequest) -> int:
+        """Prompt tokens of ``request`` whose blocks this core's prefix cache holds now
+        (full blocks only; no side effects). A disaggregated decode pulls only the rest."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hashes = compute_block_hashes(list(request.prompt_token_ids), self.config.block_size, request.lora_name)
+        return self.pool.lookup(hashes) * self.config.block_size
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -331,6 +395,8 @@ class MockerCore:
             hits = pool.lookup(hit_hashes)
             cached_tokens = hits * bs
             n = total - cached_tokens
+            if seq.imported:  # prompt KV arrived from a remote prefill: only the decode token is work
+                cached_tokens, n = total - 1, 1
             if n > budget:
                 if cfg.enable_chunked_prefill:
                     n = budget
@@ -359,6 +425,7 @@ class MockerCore:
         seq.num_computed = 0
         seq.cap = 0
         seq.committed = 0
+        seq.imported = False  # the transferred KV is gone: recompute like any preempted request
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
 

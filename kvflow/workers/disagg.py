@@ -1,0 +1,175 @@
+"""The worker's disaggregated request paths: prefill stage and decode stage.
+
+:class:`~kvflow.workers.worker.Worker` dispatches on the stage record in
+``InferenceRequest.disaggregated_params`` (:mod:`kvflow.schemas.transfer`):
+
+* :func:`serve_prefill` (``PrefillStage``, on a prefill worker): prefill
+  the prompt (``engine.prefill``), expose its KV through the worker's
+  :class:`~kvflow.workers.kv.transfer.KvTransport`, and forward the request,
+  now carrying a ``DecodeStage`` (first token, timings, transfer
+  descriptor) and its prompt token ids, to the decode worker's queue
+  partition. Nothing goes to the client from here except an error.
+* :func:`serve_decode` (``DecodeStage``, on a decode or aggregated worker):
+  hand the engine a :class:`~kvflow.workers.kv.handoff.KvHandoff`
+  (``engine.generate_from_kv``), which pulls the KV the engine lacks and
+  decodes, and stream every token, the prefill's first token included, to
+  ``reply_to``. The final response carries a
+  :class:`~kvflow.schemas.transfer.KvTransferInfo`.
+
+Failure handling keeps requests alive: if the prefill worker cannot expose
+its KV, the decode stage carries no descriptor; if the decode engine cannot
+use or pull the KV (no ``generate_from_kv``, layout mismatch, source gone,
+buffer expired), the decode worker prefills the prompt itself and reports
+``recomputed``. An engine without ``prefill`` (vLLM today, see
+:func:`vllm_kv_transfer_params`) forwards the request unchanged to the
+decode worker, which then prefills locally.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvflow.schemas import InferenceRequest, now_ms
+from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, TransferDescriptor
+from kvflow.workers.engines.base import EngineOutput, GenerateRequest
+from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
+from kvflow.workers.kv.transfer import TransferError
+
+if TYPE_CHECKING:
+    from kvflow.workers.worker import Worker
+
+__all__ = ["serve_prefill", "serve_decode", "expose_kv", "vllm_kv_transfer_params"]
+
+log = logging.getLogger(__name__)
+
+
+def _generate_request(request: InferenceRequest, prompt_ids: list[int]) -> GenerateRequest:
+    return GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                           sampling=request.sampling, lora_name=request.lora_name)
+
+
+async def expose_kv(worker: Worker, request: InferenceRequest, result: PrefillResult) -> TransferDescriptor | None:
+    """Make ``result``'s KV pullable and describe it; None if that failed (logged).
+
+    An engine without KV bytes (mocker) gets a ``simulated`` descriptor that
+    only states the modelled size.
+    """
+    if result.kv is None:
+        return TransferDescriptor(transfer_id=request.request_id, source_worker_id=worker.config.worker_id,
+                                  backend="simulated", total_bytes=result.num_kv_bytes,
+                                  num_tokens=result.num_prompt_tokens)
+    kv = result.kv
+    try:
+        transport = await worker.kv_transport()
+        return await transport.expose(request.request_id, kv.buffer, block_bytes=kv.layout.block_bytes,
+                                      num_blocks=kv.num_blocks, num_tokens=kv.num_tokens, dtype=kv.layout.dtype,
+                                      block_shape=kv.layout.block_shape)
+    except Exception as exc:  # noqa: BLE001 - the decode worker can still prefill itself
+        log.warning("cannot expose the KV of %s (%s); the decode worker will prefill it", request.request_id, exc)
+        return None
+
+
+async def serve_prefill(worker: Worker, request: InferenceRequest, stage: PrefillStage, received_ms: int) -> None:
+    """Prefill ``request`` here and forward it to the decode worker named in ``stage``.
+
+    Raises:
+        kvflow.workers.engines.base.EngineError: the engine rejected the
+            request (the worker answers the client with an error).
+    """
+    prompt_ids = worker.prompt_ids(request)
+    engine = worker.engine
+    key = request.request_id.encode()
+    if not callable(getattr(engine, "prefill", None)):
+        log.warning("engine %s cannot prefill alone; %s goes to its decode worker whole", engine.name,
+                    request.request_id)
+        plain = request.model_copy(update={"disaggregated_params": None, "token_ids": prompt_ids})
+        await worker.send_to(stage.decode_queue_topic, stage.decode_queue_partition, key, plain)
+        return
+    started = now_ms()
+    result: PrefillResult = await engine.prefill(_generate_request(request, prompt_ids))
+    descriptor = await expose_kv(worker, request, result)
+    decode = DecodeStage(
+        prefill_worker_id=worker.config.worker_id, first_token_id=result.first_token_id,
+        num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
+        prefill_received_ms=received_ms, prefill_started_ms=started, prefill_finished_ms=now_ms(),
+        sampler_state_b64=base64.b64encode(result.sampler_state).decode() if result.sampler_state else None,
+        kv=descriptor,
+    )
+    forwarded = request.model_copy(update={"disaggregated_params": decode.to_params(), "token_ids": prompt_ids})
+    await worker.send_to(stage.decode_queue_topic, stage.decode_queue_partition, key, forwarded)
+
+
+async def _prepend(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """``first`` then the items of ``rest``; closing this closes ``rest``."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+async def serve_decode(worker: Worker, request: InferenceRequest, stage: DecodeStage, received_ms: int) -> None:
+    """Decode ``request`` from the KV its prefill worker exposed; stream to ``reply_to``.
+
+    Falls back to a local prefill (``KvTransferInfo.recomputed``) when the
+    KV cannot be used; see the module docstring.
+
+    Raises:
+        kvflow.workers.engines.base.EngineError: the engine rejected the request.
+    """
+    prompt_ids = worker.prompt_ids(request)
+    engine = worker.engine
+    desc = stage.kv
+    pullable = desc is not None and desc.backend in ("nixl", "tcp")
+    transport = await worker.kv_transport() if pullable else None
+    sampler_state = base64.b64decode(stage.sampler_state_b64) if stage.sampler_state_b64 else None
+    handoff = KvHandoff(stage.first_token_id, stage.num_prompt_tokens, desc, transport, sampler_state)
+    gen = _generate_request(request, prompt_ids)
+    info = KvTransferInfo(prefill_worker_id=stage.prefill_worker_id, prefill_started_ms=stage.prefill_started_ms,
+                          prefill_finished_ms=stage.prefill_finished_ms)
+    started = now_ms()
+    try:
+        try:
+            if desc is None or not callable(getattr(engine, "generate_from_kv", None)):
+                raise TransferError("no usable KV handoff for this engine")
+            outputs = engine.generate_from_kv(gen, handoff)
+            first = await outputs.__anext__()
+        except TransferError as exc:
+            log.warning("%s: cannot use the KV from %s (%s); prefilling locally", request.request_id,
+                        stage.prefill_worker_id, exc)
+            await handoff.release()
+            await worker.stream_outputs(request, prompt_ids, engine.generate(gen), received_ms, now_ms(),
+                                        kv_transfer=info.model_copy(update={"recomputed": True}))
+            return
+        stats = handoff.stats
+        info = info.model_copy(update={
+            "backend": stats.backend, "num_bytes": stats.num_bytes, "transfer_ms": stats.transfer_ms,
+            "num_blocks_pulled": stats.num_blocks_pulled, "num_blocks_reused": stats.num_blocks_reused})
+        await worker.stream_outputs(request, prompt_ids, _prepend(first, outputs), received_ms, started,
+                                    cached_tokens=stage.num_cached_tokens, kv_transfer=info)
+    finally:
+        await handoff.release()
+
+
+def vllm_kv_transfer_params(descriptor: TransferDescriptor) -> dict[str, Any]:
+    """Translate a kvflow descriptor into vLLM's NIXL connector ``kv_transfer_params``.
+
+    Not implemented. vLLM's ``NixlConnector`` runs its own handshake: the
+    prefill request carries ``{"do_remote_decode": true}`` and
+    ``max_tokens = 1``; its output returns ``kv_transfer_params`` naming the
+    prefill engine (``remote_engine_id``, ``remote_host``, ``remote_port``
+    of its side channel) and its paged-KV ``remote_block_ids``; the decode
+    request passes them back with ``{"do_remote_prefill": true}`` and vLLM's
+    worker pulls the blocks over NIXL itself. Wiring that into kvflow means
+    passing those params through ``DecodeStage`` instead of a kvflow
+    descriptor; until then vLLM workers serve disaggregated requests by
+    prefilling locally (see the module docstring).
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("vLLM's NIXL connector handshake is not wired into kvflow yet")

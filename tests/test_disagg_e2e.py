@@ -1,0 +1,346 @@
+"""Disaggregated serving end to end on the real embedded broker.
+
+Mocker tests: in-process prefill and decode :class:`Worker` s; requests are
+routed by a small stand-in for the Faust router that calls
+:func:`kvflow.router.disagg.route_and_forward` (the router's per-request
+step), so the whole flow is real Kafka: requests → prefill queue → prefill
+worker → decode queue → decode worker → responses.
+
+The SmolLM2 acceptance test runs the real deployment (supervisor, Faust
+router, bridge, hf worker processes) and needs the router to call
+``route_and_forward`` (the change to ``kvflow/router/app.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+
+from kvflow.router.disagg import DisaggConfig, Placement, route_and_forward
+from kvflow.router.policies import RouteRequest
+from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
+from kvflow.schemas import (
+    FinalResponse,
+    InferenceRequest,
+    SamplingParams,
+    TokenDelta,
+    WorkerHeartbeat,
+    WorkerRole,
+    decode,
+    encode,
+    now_ms,
+)
+from kvflow.schemas.transfer import DecodeStage
+from kvflow.streams.client import KvflowClient
+from kvflow.streams.kafka import make_consumer, make_producer
+from kvflow.workers.engines.base import GenerateRequest
+from kvflow.workers.engines.mocker import MockerEngine
+from kvflow.workers.engines.mocker_core import MockerConfig, kv_transfer_time_ms
+from kvflow.workers.worker import Worker, WorkerConfig
+
+MODEL = "mock-model"
+MOCKER = dict(speedup_ratio=50.0, block_size=16, num_kv_blocks=1024)
+THRESHOLD = 256
+
+
+class GlueRouter:
+    """Routes the requests topic with :func:`route_and_forward` (what the Faust router's
+    ``route_one`` does once wired), folding worker heartbeats into its own table."""
+
+    def __init__(self, settings, catalog, config: DisaggConfig) -> None:
+        self.catalog, self.config = catalog, config
+        self.table = RoutingTable()
+        self.placements: dict[str, Placement] = {}
+        self.producer = make_producer(settings)
+        self.consumer = make_consumer(settings)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await self.consumer.start()
+        tps = [TopicPartition(self.catalog.requests.name, p) for p in range(self.catalog.requests.partitions)]
+        tps += [TopicPartition(self.catalog.workers.name, p) for p in range(self.catalog.workers.partitions)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_beginning(*tps)
+        self.task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.consumer.stop()
+        await self.producer.stop()
+
+    async def _loop(self) -> None:
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=100)
+            for tp, records in batches.items():
+                for msg in records:
+                    if tp.topic == self.catalog.workers.name:
+                        apply_heartbeat(self.table, decode(WorkerHeartbeat, msg.value))
+                    else:
+                        await self._route(decode(InferenceRequest, msg.value))
+
+    async def _route(self, request: InferenceRequest) -> None:
+        now = now_ms()
+        expire_workers(self.table, now)
+        req = RouteRequest(request_id=request.request_id, model=request.model, isl=len(request.token_ids or ()))
+        self.placements[request.request_id] = await route_and_forward(
+            "round_robin", request, req, self.table, self.config, self._send, router_id="glue", now_ms=now)
+
+    async def _send(self, topic: str, partition: int, key: bytes, value: bytes) -> None:
+        await self.producer.send_and_wait(topic, value, key=key, partition=partition)
+
+
+async def start_worker(settings, catalog, worker_id: str, role: WorkerRole, slot: int = 0):
+    engine = MockerEngine(MockerConfig(**MOCKER), worker_id=worker_id, model_name=MODEL)
+    worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=MODEL, role=role), engine, catalog)
+    return worker, asyncio.create_task(worker.run())
+
+
+@pytest.fixture
+async def disagg_cluster(kafka, waiter):
+    settings, catalog = kafka
+    router = GlueRouter(settings, catalog, DisaggConfig(prefill_threshold_tokens=THRESHOLD))
+    await router.start()
+    workers = {"p0": await start_worker(settings, catalog, "p0", WorkerRole.prefill),
+               "d0": await start_worker(settings, catalog, "d0", WorkerRole.decode)}
+    await waiter(lambda: len(router.table.workers) == 2)
+    client = KvflowClient(settings, catalog, timeout_s=30)
+    await client.start()
+    yield settings, catalog, router, {k: w for k, (w, _) in workers.items()}, client
+    await client.stop()
+    for worker, task in workers.values():
+        worker.stop()
+        await task
+    await router.stop()
+
+
+def prompt_ids(client_worker: Worker, text: str) -> list[int]:
+    return client_worker.tokenizer.encode_prompt(text)
+
+
+async def aggregated_reference(request_id: str, ids: list[int], max_tokens: int) -> list[int]:
+    """What one aggregated mocker engine serves for this request (ids depend on request id and seed)."""
+    engine = MockerEngine(MockerConfig(**MOCKER), model_name=MODEL)
+    await engine.start()
+    try:
+        request = GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens))
+        outs = [o async for o in engine.generate(request)]
+    finally:
+        await engine.stop()
+    return [t for o in outs for t in o.token_ids]
+
+
+async def test_long_prompt_is_prefilled_remotely_and_decoded_elsewhere(disagg_cluster):
+    _, _, router, workers, client = disagg_cluster
+    ids = prompt_ids(workers["d0"], "a long shared document. " * 25)  # 600 tokens > 256
+    req = client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=12), request_id="long-1")
+    events = [e async for e in client.stream(req)]
+    deltas, final = events[:-1], events[-1]
+    assert isinstance(final, FinalResponse) and final.error is None
+    assert router.placements["long-1"].plan.remote
+    assert final.worker_id == "d0" and final.routing.worker_id == "d0" and final.routing.prefill_worker_id == "p0"
+    assert [d.index for d in deltas] == list(range(len(deltas))) and all(isinstance(d, TokenDelta) for d in deltas)
+    assert all(d.worker_id == "d0" for d in deltas)  # one writer per request: the decode worker
+    assert final.token_ids == await aggregated_reference("long-1", ids, 12)
+    assert final.usage.prompt_tokens == len(ids) and final.usage.completion_tokens == 12
+    info = final.kv_transfer
+    cfg = MockerConfig(**MOCKER)
+    assert info.backend == "simulated" and info.prefill_worker_id == "p0" and not info.recomputed
+    assert info.num_bytes == len(ids) * cfg.kv_bytes_per_token
+    assert info.transfer_ms == pytest.approx(kv_transfer_time_ms(cfg, len(ids)) / cfg.speedup_ratio, rel=1e-3)
+    assert info.num_blocks_pulled == -(-len(ids) // 16) and info.num_blocks_reused == 0
+    assert info.prefill_started_ms <= info.prefill_finished_ms <= final.timings.first_token_ms
+    assert workers["p0"].served == 1 and workers["d0"].served == 1
+
+    # The same document again: the decode worker now caches its blocks and pulls only the rest.
+    again = client.new_request(MODEL, token_ids=ids + prompt_ids(workers["d0"], " and a question?"),
+                               sampling=SamplingParams(max_tokens=4), request_id="long-2")
+    final2 = await client.complete(again)
+    assert final2.routing.prefill_worker_id == "p0"
+    assert final2.kv_transfer.num_blocks_reused == len(ids) // 16
+    assert final2.kv_transfer.num_bytes < info.num_bytes
+    assert final2.usage.cached_tokens == len(ids) // 16 * 16  # the prefill worker's own prefix-cache hit
+
+
+async def test_short_prompt_stays_on_the_decode_worker(disagg_cluster):
+    _, _, router, workers, client = disagg_cluster
+    ids = prompt_ids(workers["d0"], "short question?")
+    final = await client.complete(client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=5),
+                                                     request_id="short-1"))
+    assert final.error is None and final.worker_id == "d0"
+    assert final.routing.prefill_worker_id is None and final.kv_transfer is None
+    assert router.placements["short-1"].plan.reason == "short_prompt"
+    assert workers["p0"].served == 0
+    assert final.token_ids == await aggregated_reference("short-1", ids, 5)
+
+
+async def test_concurrent_mix_of_long_and_short_prompts(disagg_cluster):
+    _, _, router, workers, client = disagg_cluster
+    reqs = []
+    for i in range(8):
+        text = f"document {i} " * (40 if i % 2 == 0 else 1)
+        reqs.append(client.new_request(MODEL, token_ids=prompt_ids(workers["d0"], text),
+                                       sampling=SamplingParams(max_tokens=6), request_id=f"mix-{i}"))
+    finals = await asyncio.gather(*(client.complete(r) for r in reqs))
+    assert all(f.error is None and f.usage.completion_tokens == 6 and f.worker_id == "d0" for f in finals)
+    remote = {f.request_id for f in finals if f.kv_transfer is not None}
+    assert remote == {r.request_id for r in reqs if router.placements[r.request_id].plan.remote}
+    assert remote and remote != {r.request_id for r in reqs}  # both paths taken
+    assert workers["p0"].served == len(remote)
+
+
+async def test_decode_stage_without_kv_is_prefilled_locally(disagg_cluster):
+    settings, catalog, _, workers, client = disagg_cluster
+    ids = prompt_ids(workers["d0"], "the prefill worker could not expose this one")
+    stage = DecodeStage(prefill_worker_id="p0", first_token_id=ids[0], num_prompt_tokens=len(ids), kv=None)
+    req = client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=5), request_id="nokv-1",
+                             disaggregated_params=stage.to_params())
+    stream = client.stream(req)  # submits to the requests topic; the glue router is bypassed below
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(catalog.queue(WorkerRole.decode).name, encode(req), key=b"nokv-1", partition=0)
+        events = [e async for e in stream]
+    finally:
+        await producer.stop()
+    final = events[-1]
+    assert final.error is None and final.worker_id == "d0"
+    assert final.kv_transfer.recomputed and final.kv_transfer.backend == "none"
+    assert final.token_ids == await aggregated_reference("nokv-1", ids, 5)
+
+
+def test_bridge_metrics_count_remote_and_local_prefills():
+    from prometheus_client import generate_latest
+
+    from kvflow.schemas import FinishReason, RoutingDecision
+    from kvflow.schemas.transfer import KvTransferInfo
+    from kvflow.streams.bridge.metrics import BridgeMetrics, RequestObserver
+    from kvflow.streams.bridge.worker_registry import WorkerRegistry
+
+    registry = WorkerRegistry(clock=lambda: 1_500)
+    for worker_id, role, waiting in [("p0", WorkerRole.prefill, 3), ("p1", WorkerRole.prefill, 1),
+                                     ("d0", WorkerRole.decode, 7)]:
+        registry.apply(WorkerHeartbeat(worker_id=worker_id, role=role, model=MODEL, engine="mocker", block_size=16,
+                                       kv_total_blocks=10, queue_topic="q", queue_partition=0,
+                                       waiting_requests=waiting, ts_ms=1_000))
+    metrics = BridgeMetrics()
+    metrics.track_workers(registry)
+    metrics.track_workers(registry)  # idempotent: a second registration would raise in prometheus_client
+
+    def finish(final: FinalResponse, status: int = 200) -> None:
+        observer = RequestObserver(metrics, "chat")
+        observer.submitted(final.request_id, MODEL, 100)
+        observer.on_event(final)
+        observer.finish(status)
+
+    remote = KvTransferInfo(backend="nixl", prefill_worker_id="p0", num_bytes=3 * 2**20, transfer_ms=2.5)
+    routing = RoutingDecision(worker_id="d0", policy="kv", prefill_worker_id="p0")
+    finish(FinalResponse(request_id="a", finish_reason=FinishReason.stop, routing=routing, kv_transfer=remote))
+    finish(FinalResponse(request_id="b", finish_reason=FinishReason.stop, routing=routing,
+                         kv_transfer=KvTransferInfo(prefill_worker_id="p0", recomputed=True)))
+    finish(FinalResponse(request_id="c", finish_reason=FinishReason.length))
+    finish(FinalResponse(request_id="d", finish_reason=FinishReason.error), status=500)  # failures count nowhere
+    text = generate_latest(metrics.registry).decode()
+    assert metric(text, "kvflow_prefill_remote_total", model=MODEL) == 1
+    assert metric(text, "kvflow_prefill_local_total", model=MODEL) == 2
+    assert metric(text, "kvflow_kv_transfer_recomputed_total", model=MODEL) == 1
+    assert metric(text, "kvflow_kv_transfer_bytes_sum", backend="nixl") == 3 * 2**20
+    assert metric(text, "kvflow_kv_transfer_seconds_sum", backend="nixl") == pytest.approx(0.0025)
+    assert metric(text, "kvflow_prefill_queue_depth", model=MODEL) == 4
+    assert metric(text, "kvflow_prefill_workers", model=MODEL) == 2
+
+
+# --------------------------------------------------------------------------- SmolLM2 acceptance
+
+SMOL = "SmolLM2-135M-Instruct"
+# ~1300 prompt tokens: above the default 1000-token threshold of the router.
+LONG_DOC = " ".join(f"Entry {i}: the {c} harbour crane lifted {i * 11} crates onto the {s} ship."
+                    for i, (c, s) in enumerate([("red", "grey"), ("tall", "small"), ("old", "new"),
+                                                ("rusty", "fast")] * 14))
+PROMPTS = [LONG_DOC + " Which crane lifted 55 crates?", "What is the capital of France?"]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Value of one Prometheus sample (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{(.*)\}})? (\S+)$", line)
+        if m and (m.group(2) or "") == want:
+            return float(m.group(3))
+    return 0.0
+
+
+async def ask(http: httpx.AsyncClient, content: str) -> dict:
+    reply = await http.post("/v1/chat/completions", json={
+        "model": SMOL, "temperature": 0, "max_tokens": 24, "messages": [{"role": "user", "content": content}]})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _router_routes_disaggregated() -> bool:
+    import kvflow.router.app
+
+    return hasattr(kvflow.router.app, "route_and_forward")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _router_routes_disaggregated(),
+                    reason="kvflow/router/app.py does not route through kvflow.router.disagg.route_and_forward yet")
+async def test_smollm2_disaggregated_matches_aggregated_through_the_bridge(broker):
+    from kvflow.settings import Settings
+    from kvflow.streams.broker import free_port
+    from kvflow.streams.catalog import Catalog
+    from kvflow.streams.kafka import create_topics
+    from kvflow.supervisor import Supervisor, WorkerSpec
+
+    settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True,
+                        namespace=f"dg{uuid.uuid4().hex[:8]}", session_timeout_ms=2000)
+    await create_topics(settings, Catalog(settings.namespace))
+    sup = Supervisor(settings, WorkerSpec(engine="hf", model=SMOL), port=free_port())
+    await sup.start()
+    try:
+        async with httpx.AsyncClient(base_url=sup.url, timeout=300) as http:
+            # Aggregated reference: one aggregated worker.
+            await sup.scale(WorkerRole.aggregated, 1)
+            await sup.wait_workers_ready(1, timeout_s=240)
+            aggregated = [await ask(http, p) for p in PROMPTS]
+            await sup.scale(WorkerRole.aggregated, 0)
+            deadline = asyncio.get_running_loop().time() + 60
+            while sup.router.table.workers and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            assert not sup.router.table.workers
+            before = (await http.get("/metrics")).text
+
+            # Disaggregated: one prefill worker, one decode worker.
+            await sup.scale(WorkerRole.prefill, 1)
+            await sup.scale(WorkerRole.decode, 1)
+            await sup.wait_workers_ready(2, timeout_s=240)
+            disaggregated = [await ask(http, p) for p in PROMPTS]
+            after = (await http.get("/metrics")).text
+    finally:
+        await sup.stop()
+
+    for agg, dis in zip(aggregated, disaggregated):
+        assert dis["choices"][0]["message"]["content"] == agg["choices"][0]["message"]["content"]
+        assert dis["usage"]["completion_tokens"] == agg["usage"]["completion_tokens"]
+        assert dis["usage"]["prompt_tokens"] == agg["usage"]["prompt_tokens"]
+    assert aggregated[0]["usage"]["prompt_tokens"] > 1000
+    long_info, short_info = disaggregated[0]["kvflow"], disaggregated[1]["kvflow"]
+    assert long_info["worker_id"].startswith("dec") and long_info["prefill_worker_id"].startswith("pre")
+    assert short_info["worker_id"].startswith("dec") and "prefill_worker_id" not in short_info
+    # The bridge's metrics: the long prompt's prefill ran remotely, the short one locally.
+    assert metric(after, "kvflow_prefill_remote_total", model=SMOL) - metric(before, "kvflow_prefill_remote_total",
+                                                                               model=SMOL) == 1
+    assert metric(after, "kvflow_prefill_local_total", model=SMOL) - metric(before, "kvflow_prefill_local_total",
+                                                                             model=SMOL) == 1
+    transfers = [ln for ln in after.splitlines() if ln.startswith("kvflow_kv_transfer_bytes_count")]
+    assert transfers and sum(float(ln.split()[-1]) for ln in transfers) == 1
+    assert metric(after, "kvflow_prefill_workers", model=SMOL) == 1
