@@ -80,3 +80,20 @@ class Settings(BaseSettings):
     kv_transfer_nixl_progress_thread: bool = False
     """Run NIXL's own progress thread (busy-polls a core; for many-core GPU
     nodes). Defaults to ``False``."""
+
+    shed_kv_threshold: float = Field(default=0.95, gt=0, le=1.0)
+    """A worker is busy when used/total KV blocks exceeds this. Defaults to 0.95."""
+
+    shed_prefill_token_threshold: int | None = Field(default=None, ge=1)
+    """A worker is busy when its queued prompt tokens exceed this; ``None``
+    disables the check. Defaults to ``None``."""
+
+    shed_mode: Literal["reject", "queue"] = "reject"
+    """When every worker is busy: answer 503 + Retry-After (``reject``) or hold
+    the request in the router's bounded queue (``queue``). Defaults to ``reject``."""
+
+    shed_queue_capacity: int = Field(default=256, ge=1)
+    """Most requests the router holds in ``queue`` mode. Defaults to 256."""
+
+    shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
+    """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""

@@ -46,6 +46,8 @@ from kvflow.replay.report import RequestRecord, TimelineSample
 from kvflow.replay.synth import PrefixHasher
 from kvflow.replay.traces import Trace, TraceRequest
 from kvflow.router.hashing import compute_block_hashes
+from kvflow.router.index import KvIndex
+from kvflow.router.kv_policy import EVENT_POLICIES
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
 from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
 from kvflow.schemas import KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
@@ -190,6 +192,11 @@ class Simulation:
         self.planner = planner
         self.progress = progress
         self.table = RoutingTable()
+        if kv_hook is None and config.policy in EVENT_POLICIES:
+            # KV-event policies read the index the workers' events build, as in the live router.
+            index = KvIndex(self.mocker_config.block_size)
+            self.table.kv_index = index
+            self.kv_hook = index
         self.workers: dict[str, SimWorker] = {}
         self.now_ms = 0.0
         need = config.block_hashes
@@ -258,7 +265,8 @@ class Simulation:
             self._heartbeat(w)
         tokens = req.prompt_token_ids()
         route = RouteRequest(request_id=req.request_id, model=self.config.model, isl=req.isl,
-                             block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else ())
+                             block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else (),
+                             now_ms=int(self.now_ms))
         try:
             decision = select_worker(self.config.policy, route, self.table)
         except NoWorkerAvailable as exc:

@@ -1,21 +1,33 @@
 """The router: a Faust app that routes requests to worker queues.
 
-Agents (one projection each):
+State every replica shares, folded from whole topics (all partitions, from
+the beginning — :mod:`kvflow.router.projections`), so replicas and restarted
+routers hold identical state:
 
-- ``track_workers`` folds worker heartbeats into the ``routing-table``
-  GlobalTable (changelogged, so a restarted router recovers it) and the
-  in-memory :class:`~kvflow.router.table.RoutingTable` derived from it.
-- ``route_requests`` decodes each request, asks the configured policy for a
-  worker (:func:`~kvflow.router.policies.select_worker`), and forwards the
-  request, with its :class:`~kvflow.schemas.RoutingDecision`, to that
-  worker's queue partition. With no worker it answers the caller directly
-  with an error :class:`~kvflow.schemas.FinalResponse` (HTTP 503 semantics).
+- the in-memory :class:`~kvflow.router.table.RoutingTable` from the workers
+  topic (heartbeats, drains, stops; silent workers expire);
+- the global :class:`~kvflow.router.index.KvIndex` from the kv-events topic
+  (only for KV-event policies), with gap detection and dump requests.
+
+Faust agents (consumer group, so each record is handled once per group):
+
+- ``route_requests`` decodes each request, applies load shedding
+  (:mod:`~kvflow.router.shedding`), asks the policy for a worker, decides
+  local or remote prefill (:mod:`~kvflow.router.disagg`), and forwards the
+  request with its :class:`~kvflow.schemas.RoutingDecision` to the worker's
+  queue partition. With no worker it answers the caller directly with an
+  error :class:`~kvflow.schemas.FinalResponse` (HTTP 503 semantics).
+- ``track_workers`` keeps the ``routing-table`` GlobalTable (changelogged:
+  the last heartbeat of every worker) and dead-letters malformed heartbeats.
+- ``check_kv_events`` dead-letters malformed KV event batches.
 
 Malformed records go to the dead-letter topic; no agent dies of one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import tempfile
 import uuid
@@ -23,8 +35,13 @@ from dataclasses import dataclass, field
 
 import faust
 
-from kvflow.router.disagg import DisaggConfig, route_and_forward
+from kvflow.router.disagg import DisaggConfig, decode_role, route_and_forward
+from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
+from kvflow.router.index import KvIndex
+from kvflow.router.kv_policy import EVENT_POLICIES
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
+from kvflow.router.projections import follow_topic
+from kvflow.router.shedding import BoundedRequestQueue, QueueFull, ShedConfig, has_free_worker, shed
 from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     DeadLetter,
@@ -32,6 +49,8 @@ from kvflow.schemas import (
     FinalResponse,
     FinishReason,
     InferenceRequest,
+    KvDumpRequest,
+    KvEventBatch,
     RecordError,
     WorkerHeartbeat,
     WorkerRole,
@@ -59,7 +78,14 @@ class RouterApp:
     catalog: Catalog
     router_id: str
     policy: str
-    counters: dict[str, int] = field(default_factory=lambda: {"routed": 0, "rejected": 0, "dead_lettered": 0})
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "routed": 0, "rejected": 0, "dead_lettered": 0, "shed": 0, "queued": 0, "kv_batches": 0, "kv_gaps": 0})
+    queue: BoundedRequestQueue | None = None
+    """Requests held while every worker is busy (``shed_mode="queue"``)."""
+    workers_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the workers topic's history has been folded into the table."""
+    kv_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the kv-events topic's history has been folded into the index."""
 
 
 def build_router_app(settings: Settings, catalog: Catalog | None = None, *, policy: str | None = None,
@@ -104,10 +130,19 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     state = RouterApp(app=app, table=RoutingTable(), settings=settings, catalog=catalog,
                       router_id=router_id, policy=policy)
     disagg_config = DisaggConfig.from_settings(settings)
+    shed_config = ShedConfig(kv_threshold=settings.shed_kv_threshold,
+                             prefill_token_threshold=settings.shed_prefill_token_threshold,
+                             mode=settings.shed_mode, queue_capacity=settings.shed_queue_capacity,
+                             queue_order=settings.shed_queue_order)
+    if shed_config.mode == "queue":
+        state.queue = BoundedRequestQueue(shed_config.queue_capacity, shed_config.queue_order)
+    uses_events = policy in EVENT_POLICIES
+    hashes_needed = policy not in ("round_robin", "random", "least_loaded")
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
     workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
+    kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     routing_table = app.GlobalTable(
         "routing-table", key_type=str, value_type=bytes,
         partitions=catalog.workers.partitions, help="worker id -> last heartbeat record",
@@ -134,7 +169,80 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 await dead_letter(event, str(exc))
                 continue
             routing_table[hb.worker_id] = event.value
-            apply_heartbeat(state.table, hb)
+
+    @app.agent(kv_events_topic, name="check_kv_events")
+    async def check_kv_events(stream: faust.StreamT) -> None:
+        async for event in stream.events():
+            try:
+                decode(KvEventBatch, event.value)
+            except RecordError as exc:
+                await dead_letter(event, str(exc))
+
+    async def on_worker_record(msg) -> None:
+        try:
+            hb = decode(WorkerHeartbeat, msg.value)
+        except RecordError:
+            return  # dead-lettered once by track_workers
+        apply_heartbeat(state.table, hb)
+        forget_restarted_or_stopped(hb)
+
+    started_ms: dict[str, int] = {}
+
+    def forget_restarted_or_stopped(hb: WorkerHeartbeat) -> None:
+        # A stopped worker, or one restarted under the same id (its KV event
+        # ids start again at 0), must not keep its old blocks in the index.
+        previous = started_ms.get(hb.worker_id)
+        gone = hb.worker_id not in state.table.workers
+        if gone:
+            started_ms.pop(hb.worker_id, None)
+        else:
+            started_ms[hb.worker_id] = hb.started_ms
+        if isinstance(state.table.kv_index, KvIndex) and (gone or (previous is not None and previous != hb.started_ms)):
+            state.table.kv_index.remove_worker(hb.worker_id)
+
+    async def on_kv_record(msg) -> None:
+        try:
+            batch = decode(KvEventBatch, msg.value)
+        except RecordError:
+            return  # dead-lettered once by check_kv_events
+        if state.table.kv_index is None:
+            state.table.kv_index = KvIndex(batch.block_size)
+        try:
+            result = state.table.kv_index.apply(batch)
+        except BlockSizeMismatch as exc:
+            state.counters["kv_mismatch"] = state.counters.get("kv_mismatch", 0) + 1
+            log.error("refusing KV events of %s: %s", batch.worker_id, exc)
+            return
+        state.counters["kv_batches"] += 1
+        if result.gap:
+            state.counters["kv_gaps"] += 1
+            await request_dump(batch.worker_id)
+
+    @app.task
+    async def project_workers() -> None:
+        await follow_topic(settings, catalog.workers, on_worker_record, state.workers_caught_up)
+
+    @app.task
+    async def project_kv_events() -> None:
+        if uses_events:
+            await follow_topic(settings, catalog.kv_events, on_kv_record, state.kv_caught_up)
+
+    async def request_dump(worker_id: str) -> None:
+        ask = KvDumpRequest(worker_id=worker_id, requested_by=router_id, ts_ms=now_ms())
+        await app.producer.send(catalog.kv_dump_requests.name, worker_id.encode(), encode(ask), 0, None, None)
+
+    @app.timer(interval=max(0.05, settings.heartbeat_interval_ms / 1000))
+    async def housekeeping() -> None:
+        now = now_ms()
+        expired = expire_workers(state.table, now)
+        index = state.table.kv_index
+        if isinstance(index, KvIndex):
+            for worker_id in expired:
+                index.remove_worker(worker_id)
+            for worker_id in index.workers_needing_dump():
+                if worker_id in state.table.workers:
+                    await request_dump(worker_id)
+        await release_queued(now)
 
     @app.agent(requests_topic, name="route_requests")
     async def route_requests(stream: faust.StreamT) -> None:
@@ -151,15 +259,42 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 await dead_letter(event, f"routing failed: {exc!r}")
 
     async def route_one(request: InferenceRequest) -> None:
+        if not state.workers_caught_up.is_set():
+            # First requests after a (re)start: let the table catch up with the log.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.workers_caught_up.wait(), 5.0)
         now = now_ms()
-        if not state.table.workers:
-            restore_from_changelog()
         expire_workers(state.table, now)
+        role = decode_role(state.table, request.model)
+        candidates = state.table.candidates(request.model, role)
+        decision = shed(candidates, shed_config, queued=len(state.queue) if state.queue is not None else 0)
+        if decision.action == "reject" and candidates:
+            state.counters["shed"] += 1
+            await reply_error(request, f"all workers are busy ({decision.reason})", status=503, code="overloaded",
+                              retry_after_s=decision.retry_after_s)
+            return
+        if decision.action == "queue":
+            try:
+                state.queue.push(request, isl=len(request.token_ids or ()), deadline_ms=request.deadline_ms)
+                state.counters["queued"] += 1
+            except QueueFull:
+                state.counters["shed"] += 1
+                await reply_error(request, "all workers are busy and the router queue is full", status=503,
+                                  code="overloaded", retry_after_s=decision.retry_after_s or 1)
+            return
+        await dispatch(request, role, candidates, decision.candidates, now)
+
+    async def dispatch(request: InferenceRequest, role: WorkerRole, candidates, free, now: int) -> None:
+        block_hashes: tuple[int, ...] = ()
+        if hashes_needed and request.token_ids and candidates:
+            block_hashes = tuple(compute_block_hashes(request.token_ids, candidates[0].block_size, request.lora_name))
         route_req = RouteRequest(
             request_id=request.request_id, model=request.model,
-            isl=len(request.token_ids) if request.token_ids else 0, role=WorkerRole.aggregated,
-            lora_name=request.lora_name,
+            isl=len(request.token_ids) if request.token_ids else 0, role=role,
+            block_hashes=block_hashes, lora_name=request.lora_name, now_ms=request.created_ms or now,
         )
+        free_ids = {w.worker_id for w in free}
+        state.table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)
         try:
             await route_and_forward(state.policy, request, route_req, state.table, disagg_config, send_record,
                                     router_id=router_id, now_ms=now)
@@ -167,27 +302,41 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             state.counters["rejected"] += 1
             await reply_error(request, str(exc), status=503, code="no_workers")
             return
+        finally:
+            state.table.busy = frozenset()
         state.counters["routed"] += 1
+
+    async def release_queued(now: int) -> None:
+        queue = state.queue
+        if queue is None or not len(queue):
+            return
+        for expired in queue.pop_expired(now):
+            await reply_error(expired, "deadline passed while queued for a free worker", status=504,
+                              code="deadline_exceeded")
+        released = 0
+        while len(queue):
+            request = queue.peek()
+            role = decode_role(state.table, request.model)
+            candidates = state.table.candidates(request.model, role)
+            free = [w for w in candidates if w.worker_id not in state.table.busy]
+            if not has_free_worker(candidates, shed_config) or released >= len(candidates):
+                break
+            queue.pop()
+            released += 1
+            decision = shed(candidates, shed_config)
+            await dispatch(request, role, candidates, decision.candidates or free, now)
 
     async def send_record(topic: str, partition: int, key: bytes, value: bytes) -> None:
         await app.producer.send(topic, key, value, partition, None, None)
 
-    async def reply_error(request: InferenceRequest, message: str, *, status: int, code: str) -> None:
+    async def reply_error(request: InferenceRequest, message: str, *, status: int, code: str,
+                          retry_after_s: int | None = None) -> None:
         final = FinalResponse(
             request_id=request.request_id, finish_reason=FinishReason.error,
             error=ErrorInfo(message=message, type="service_unavailable" if status == 503 else "server_error",
-                            code=code, status=status),
+                            code=code, status=status, retry_after_s=retry_after_s),
         )
         await app.producer.send(request.reply_to.topic, request.request_id.encode(), encode(final),
                                 request.reply_to.partition, None, None)
-
-    def restore_from_changelog() -> None:
-        # After recovery the changelogged table holds the last heartbeat of
-        # every worker; seed the in-memory view from it (expiry drops the dead).
-        for value in list(routing_table.values()):
-            try:
-                apply_heartbeat(state.table, decode(WorkerHeartbeat, value))
-            except RecordError:
-                continue
 
     return state

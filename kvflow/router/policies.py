@@ -29,7 +29,9 @@ class NoWorkerAvailable(LookupError):
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy may look at. ``isl`` in tokens; ``block_hashes`` are the
-    prompt's chained block hashes (empty when the policy does not need them)."""
+    prompt's chained block hashes (empty when the policy does not need them);
+    ``now_ms`` is the decision time (epoch or simulated ms), passed in so
+    policies never read a clock."""
 
     request_id: str
     model: str
@@ -37,6 +39,7 @@ class RouteRequest:
     role: WorkerRole = WorkerRole.aggregated
     block_hashes: tuple[int, ...] = ()
     lora_name: str | None = None
+    now_ms: int = 0
 
 
 Policy = Callable[[RouteRequest, list[WorkerView], RoutingTable], RoutingDecision]
@@ -95,3 +98,7 @@ def select_worker(policy: str, req: RouteRequest, table: RoutingTable) -> Routin
     if not candidates:
         raise NoWorkerAvailable(f"no {req.role.value} worker serves model {req.model!r}")
     return fn(req, candidates, table)
+
+
+# KV-aware policies register themselves on import (kept last: they import this module).
+from kvflow.router import kv_policy as _kv_policy  # noqa: E402,F401

@@ -65,13 +65,16 @@ class RoutingTable:
     workers: dict[str, WorkerView] = field(default_factory=dict)
     rr_cursor: dict[tuple[str, str], int] = field(default_factory=dict)
     kv_index: Any = None
+    busy: frozenset[str] = frozenset()
+    """Workers load shedding marked busy for the decision at hand (never candidates)."""
 
     def candidates(self, model: str, role: WorkerRole | str) -> list[WorkerView]:
-        """Serving workers of ``model`` and ``role``, sorted by worker id (stable order)."""
+        """Serving, non-busy workers of ``model`` and ``role``, sorted by worker id (stable order)."""
         role = WorkerRole(role)
         return sorted(
             (w for w in self.workers.values()
-             if w.model == model and w.role == role and w.status == WorkerStatus.serving),
+             if w.model == model and w.role == role and w.status == WorkerStatus.serving
+            and w.worker_id not in self.busy),
             key=lambda w: w.worker_id,
         )
 

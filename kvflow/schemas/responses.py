@@ -55,6 +55,8 @@ class ErrorInfo(BaseModel):
     type: str = "server_error"
     code: str | None = None
     status: int = 500
+    retry_after_s: int | None = None
+    """For 503s: seconds after which a retry may succeed (HTTP ``Retry-After``)."""
 
 
 class TokenDelta(Record):

@@ -1,0 +1,214 @@
+"""KV-aware routing policies ``kv`` and ``approx`` over a real routing table and index."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+
+from kvflow.router import kv_policy
+from kvflow.router.hashing import compute_block_hashes
+from kvflow.router.index import KvIndex
+from kvflow.router.kv_policy import (
+    ApproxKvIndex,
+    KvPolicyConfig,
+    make_approx_policy,
+    make_kv_policy,
+)
+from kvflow.router.policies import POLICIES, RouteRequest, select_worker
+from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
+from kvflow.schemas import (
+    BlockStored,
+    KvEventBatch,
+    KvTier,
+    WorkerHeartbeat,
+    WorkerRole,
+    WorkerStatus,
+)
+
+BS = 16
+MODEL = "m"
+
+if "now_ms" in {f.name for f in dataclasses.fields(RouteRequest)}:
+    Req = RouteRequest
+else:  # until RouteRequest carries the decision time, tests add it the same way
+    @dataclasses.dataclass(frozen=True)
+    class Req(RouteRequest):  # type: ignore[no-redef]
+        now_ms: int = 0
+
+
+def heartbeat(worker_id: str, *, used: int = 0, total: int = 1000, active: int = 0, waiting: int = 0,
+              prefill_tokens: int = 0, ts_ms: int = 1) -> WorkerHeartbeat:
+    return WorkerHeartbeat(worker_id=worker_id, role=WorkerRole.aggregated, status=WorkerStatus.serving, model=MODEL,
+                           engine="mocker", block_size=BS, kv_total_blocks=total, kv_used_blocks=used,
+                           queue_topic="q", queue_partition=0, active_requests=active, waiting_requests=waiting,
+                           active_prefill_tokens=prefill_tokens, ts_ms=ts_ms)
+
+
+def table_with(*hbs: WorkerHeartbeat, index=None) -> RoutingTable:
+    table = RoutingTable()
+    for hb in hbs:
+        apply_heartbeat(table, hb)
+    table.kv_index = index
+    return table
+
+
+TOKENS = list(range(320))  # 20 blocks of 16
+HASHES = tuple(compute_block_hashes(TOKENS, BS))
+
+
+def store(index: KvIndex, worker: str, n: int, tier: KvTier = KvTier.device, event_id: int = 0) -> None:
+    index.apply(KvEventBatch(worker_id=worker, event_id=event_id, block_size=BS, ts_ms=0,
+                             events=[BlockStored(block_hashes=list(HASHES[:n]), tier=tier)]))
+
+
+def request(rid: str = "r1", hashes: tuple[int, ...] = HASHES, isl: int = len(TOKENS), **kw) -> RouteRequest:
+    return Req(request_id=rid, model=MODEL, isl=isl, block_hashes=hashes, **kw)
+
+
+def test_policies_are_registered():
+    assert "kv" in POLICIES and "approx" in POLICIES
+    assert kv_policy.EVENT_POLICIES == {"kv"}
+
+
+def test_kv_routes_to_the_worker_holding_the_prefix():
+    index = KvIndex(BS)
+    store(index, "w1", 15)
+    store(index, "w2", 4)
+    table = table_with(heartbeat("w0"), heartbeat("w1"), heartbeat("w2"), index=index)
+    d = select_worker("kv", request(), table)
+    assert d.worker_id == "w1" and d.policy == "kv" and d.overlap_blocks == 15
+    # cost of w1 by the documented formula: (20 - 15) new blocks, nothing queued, no decode load
+    assert d.cost == pytest.approx(5.0)
+
+
+def test_cost_formula_and_load_outweighing_a_small_overlap():
+    cfg = kv_policy.DEFAULT_KV_CONFIG
+    index = KvIndex(BS)
+    store(index, "w0", 2)
+    table = table_with(heartbeat("w0", active=1, prefill_tokens=32), heartbeat("w1"), index=index)
+    req = request(isl=330)  # ceil(330 / 16) = 21 prefill blocks
+    costs = kv_policy.worker_costs(req, table.candidates(MODEL, WorkerRole.aggregated), index.find_matches(HASHES),
+                                   cfg)
+    w0 = cfg.prefill_load_scale * (21 - 2 + cfg.queue_weight * 32 / BS) + cfg.decode_weight * 1
+    w1 = cfg.prefill_load_scale * 21
+    assert costs == pytest.approx([w0, w1])
+    assert select_worker("kv", req, table).worker_id == "w1"  # 2 cached blocks do not pay for the load
+    # a long overlap does
+    store(index, "w0", 20, event_id=1)
+    d = select_worker("kv", req, table)
+    assert d.worker_id == "w0" and d.overlap_blocks == 20
+
+
+def test_requests_routed_since_the_heartbeat_count_as_load():
+    table = table_with(heartbeat("w0"), heartbeat("w1"), index=KvIndex(BS))
+    first = select_worker("kv", request("a"), table)
+    note_routed(table, first.worker_id)
+    second = select_worker("kv", request("b"), table)
+    assert {first.worker_id, second.worker_id} == {"w0", "w1"}
+
+
+def test_cold_start_is_least_loaded_by_cost_with_id_tie_break():
+    table = table_with(heartbeat("w2"), heartbeat("w1"), heartbeat("w0", active=2))
+    d = select_worker("kv", request(), table)  # no index at all
+    assert d.worker_id == "w1" and d.overlap_blocks == 0
+    table.kv_index = KvIndex(BS)  # empty index, same answer
+    assert select_worker("kv", request(), table).worker_id == "w1"
+    assert select_worker("kv", request(hashes=()), table).worker_id == "w1"
+
+
+def test_host_and_disk_overlap_earn_partial_credit():
+    index = KvIndex(BS)
+    store(index, "w0", 10, KvTier.host)
+    store(index, "w1", 10, KvTier.disk)
+    table = table_with(heartbeat("w0"), heartbeat("w1"), heartbeat("w2"), index=index)
+    cfg = KvPolicyConfig()
+    d = select_worker("kv", request(), table)
+    assert d.worker_id == "w0" and d.overlap_blocks == 0  # overlap_blocks counts device blocks only
+    assert d.cost == pytest.approx(20 - cfg.host_weight * 10)
+    costs = kv_policy.worker_costs(request(), table.candidates(MODEL, "aggregated"), index.find_matches(HASHES), cfg)
+    assert costs[1] == pytest.approx(20 - cfg.disk_weight * 10) and costs[2] == pytest.approx(20)
+
+
+def test_temperature_sampling_is_deterministic_per_request_id():
+    index = KvIndex(BS)
+    store(index, "w0", 8)
+    hbs = [heartbeat(f"w{i}", active=i) for i in range(4)]
+    policy = make_kv_policy(KvPolicyConfig(temperature=0.5), "kv_t")
+    picks = []
+    for rid in (f"req-{i}" for i in range(400)):
+        a = policy(request(rid), table_with(*hbs, index=index).candidates(MODEL, "aggregated"),
+                   table_with(*hbs, index=index))
+        b = policy(request(rid), table_with(*hbs, index=index).candidates(MODEL, "aggregated"),
+                   table_with(*hbs, index=index))
+        assert a == b  # same id, fresh tables: same draw
+        picks.append(a.worker_id)
+    counts = Counter(picks)
+    assert len(counts) == 4  # every worker gets some
+    assert counts["w0"] == max(counts.values())  # the cheapest most often
+
+
+def test_choose_probabilities_follow_the_softmax():
+    costs = [0.0, 5.0, 10.0]
+    n = 4000
+    counts = Counter(kv_policy.choose(f"x{i}", costs, 1.0) for i in range(n))
+    weights = [math.exp(-c / 10.0) for c in costs]
+    for i, w in enumerate(weights):
+        assert counts[i] / n == pytest.approx(w / sum(weights), abs=0.03)
+    assert kv_policy.choose("y", [3.0, 1.0, 1.0], 0.0) == 1
+    assert kv_policy.choose("y", [2.0, 2.0], 1.0) in (0, 1)
+
+
+def test_kv_rejects_a_foreign_index():
+    table = table_with(heartbeat("w0"), index=ApproxKvIndex(BS))
+    with pytest.raises(TypeError, match="KvIndex"):
+        select_worker("kv", request(), table)
+
+
+def test_config_rejects_negative_weights():
+    with pytest.raises(ValueError, match="decode_weight"):
+        KvPolicyConfig(decode_weight=-1)
+
+
+def test_approx_follows_its_own_decisions():
+    table = table_with(heartbeat("w0"), heartbeat("w1"), heartbeat("w2"))
+    first = select_worker("approx", request("a", now_ms=1_000), table)
+    assert first.overlap_blocks == 0 and isinstance(table.kv_index, ApproxKvIndex)
+    note_routed(table, first.worker_id)
+    # a heartbeat arrives: the load is gone again, only the predicted cache differs
+    for w in ("w0", "w1", "w2"):
+        apply_heartbeat(table, heartbeat(w, ts_ms=2))
+    second = select_worker("approx", request("b", now_ms=2_000), table)
+    assert second.worker_id == first.worker_id and second.overlap_blocks == len(HASHES)
+    assert second.policy == "approx"
+
+
+def test_approx_predictions_expire_after_the_ttl():
+    policy = make_approx_policy(KvPolicyConfig(approx_ttl_ms=10_000), "approx_short")
+    table = table_with(heartbeat("w0"), heartbeat("w1"))
+    cands = table.candidates(MODEL, "aggregated")
+    first = policy(request("a", now_ms=0), cands, table)
+    assert policy(request("b", now_ms=9_999), cands, table).overlap_blocks == len(HASHES)
+    # "b" refreshed the prediction to expire at 19_999
+    assert policy(request("c", now_ms=19_998), cands, table).overlap_blocks == len(HASHES)
+    late = policy(request("d", now_ms=40_000), cands, table)
+    assert late.overlap_blocks == 0
+    assert first.worker_id == "w0"
+
+
+def test_approx_capacity_bound_and_worker_removal():
+    approx = ApproxKvIndex(BS, ttl_ms=10**9)
+    approx.record("w0", HASHES, now_ms=0, capacity_blocks=12)
+    # the prompt's tail was dropped first: the head is still predicted
+    assert dict(approx.find_matches(HASHES, now_ms=1).device) == {"w0": 12}
+    table = table_with(heartbeat("w1"), index=approx)  # w0 left the table
+    d = select_worker("approx", request("z", now_ms=5), table)
+    assert d.worker_id == "w1" and "w0" not in approx.workers()
+
+
+def test_approx_rejects_an_event_fed_index():
+    table = table_with(heartbeat("w0"), index=KvIndex(BS))
+    with pytest.raises(TypeError, match="ApproxKvIndex"):
+        select_worker("approx", request(), table)

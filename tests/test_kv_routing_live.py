@@ -1,0 +1,177 @@
+"""KV-aware routing through the real embedded broker: replicas that agree,
+a restarted router that rebuilds the same index, and prefix reuse end to end."""
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+
+from kvflow.router.app import build_router_app
+from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas import (
+    BlockStored,
+    InferenceRequest,
+    KvEventBatch,
+    ReplyTo,
+    WorkerHeartbeat,
+    WorkerRole,
+    decode,
+    encode,
+    now_ms,
+)
+from kvflow.streams.broker import free_port
+from kvflow.streams.kafka import make_consumer, make_producer
+from kvflow.supervisor import Supervisor, WorkerSpec
+
+BS = 16
+MODEL = "m"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 50000 + 10 for i in range(n)]
+
+
+async def publish_state(producer, catalog, worker_slots: dict[str, int], stored: dict[str, list[list[int]]]):
+    for wid, slot in worker_slots.items():
+        hb = WorkerHeartbeat(worker_id=wid, model=MODEL, engine="mocker", block_size=BS, kv_total_blocks=1000,
+                             queue_topic=catalog.queue(WorkerRole.aggregated).name, queue_partition=slot,
+                             ts_ms=now_ms(), ttl_ms=600_000, started_ms=1)
+        await producer.send_and_wait(catalog.workers.name, encode(hb), key=wid.encode())
+    for wid, prompts in stored.items():
+        for event_id, prompt in enumerate(prompts):
+            batch = KvEventBatch(worker_id=wid, event_id=event_id, block_size=BS, ts_ms=now_ms(),
+                                 events=[BlockStored(block_hashes=compute_block_hashes(prompt, BS))])
+            await producer.send_and_wait(catalog.kv_events.name, encode(batch), key=wid.encode())
+
+
+async def start_router(settings, catalog, name):
+    router = build_router_app(settings, catalog, policy="kv", app_id=f"{settings.namespace}-{name}", router_id=name)
+    await router.app.start()
+    return router
+
+
+async def test_replicas_agree_and_restart_rebuilds_index(kafka, waiter):
+    settings, catalog = kafka
+    producer = make_producer(settings)
+    await producer.start()
+    slots = {"w0": 0, "w1": 1, "w2": 2}
+    prompts = {w: [tokens(10 * i + j, 96) for j in range(3)] for i, w in enumerate(slots)}
+    await publish_state(producer, catalog, slots, prompts)
+    a = await start_router(settings, catalog, "replica-a")
+    b = await start_router(settings, catalog, "replica-b")
+    try:
+        await waiter(lambda: all(r.table.kv_index is not None and len(r.table.workers) == 3
+                                 and r.counters["kv_batches"] == 9 for r in (a, b)))
+        assert a.table.kv_index == b.table.kv_index
+
+        queue = catalog.queue(WorkerRole.aggregated).name
+        consumer = make_consumer(settings, auto_offset_reset="earliest")
+        await consumer.start()
+        consumer.assign([TopicPartition(queue, p) for p in slots.values()])
+        decisions: dict[str, dict[str, str]] = {}
+        expected: dict[str, str] = {}
+        for i in range(12):
+            owner = list(slots)[i % 3]
+            prompt = prompts[owner][i % 2] + tokens(1000 + i, 40)  # a cached prefix + a new suffix
+            rid = f"r{i}"
+            expected[rid] = owner
+            req = InferenceRequest(request_id=rid, model=MODEL, token_ids=prompt, created_ms=now_ms(),
+                                   reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+            await producer.send_and_wait(catalog.requests.name, encode(req), key=rid.encode())
+            # both replicas route it (each in its own group) before the next one
+            while len(decisions.get(rid, {})) < 2:
+                batches = await consumer.getmany(timeout_ms=500)
+                for records in batches.values():
+                    for msg in records:
+                        routed = decode(InferenceRequest, msg.value)
+                        decisions.setdefault(routed.request_id, {})[routed.routing.router_id] = \
+                            routed.routing.worker_id
+                        assert routed.routing.overlap_blocks == 96 // BS
+        await consumer.stop()
+        for rid, by_router in decisions.items():
+            assert by_router["replica-a"] == by_router["replica-b"] == expected[rid]
+
+        # a router started later rebuilds the same index from the topic
+        await b.app.stop()
+        more = {"w1": [tokens(77, 64)]}
+        batch = KvEventBatch(worker_id="w1", event_id=3, block_size=BS, ts_ms=now_ms(),
+                             events=[BlockStored(block_hashes=compute_block_hashes(more["w1"][0], BS))])
+        await producer.send_and_wait(catalog.kv_events.name, encode(batch), key=b"w1")
+        await waiter(lambda: a.counters["kv_batches"] == 10)
+        c = await start_router(settings, catalog, "replica-c")
+        try:
+            await waiter(lambda: c.counters["kv_batches"] == 10)
+            assert c.table.kv_index == a.table.kv_index
+            assert c.table.kv_index.find_matches(compute_block_hashes(more["w1"][0], BS)).prefix("w1") == 4
+        finally:
+            await c.app.stop()
+    finally:
+        await a.app.stop()
+        if b.app.started:
+            await b.app.stop()
+        await producer.stop()
+
+
+async def test_event_gap_triggers_dump_request(kafka, waiter):
+    settings, catalog = kafka
+    producer = make_producer(settings)
+    await producer.start()
+    await publish_state(producer, catalog, {"w0": 0}, {"w0": [tokens(1, 32)]})
+    skipped = KvEventBatch(worker_id="w0", event_id=5, block_size=BS, ts_ms=now_ms(),
+                           events=[BlockStored(block_hashes=compute_block_hashes(tokens(2, 32), BS))])
+    await producer.send_and_wait(catalog.kv_events.name, encode(skipped), key=b"w0")
+    dumps = make_consumer(settings, auto_offset_reset="earliest")
+    await dumps.start()
+    dumps.assign([TopicPartition(catalog.kv_dump_requests.name, 0)])
+    router = await start_router(settings, catalog, "gap")
+    try:
+        msg = await asyncio.wait_for(dumps.getone(), 20)
+        assert decode(__import__("kvflow.schemas", fromlist=["KvDumpRequest"]).KvDumpRequest,
+                      msg.value).worker_id == "w0"
+        assert router.counters["kv_gaps"] >= 1
+    finally:
+        await dumps.stop()
+        await router.app.stop()
+        await producer.stop()
+
+
+async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka):
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"routing_policy": "kv"})
+    spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "1", "--block-size", str(BS),
+                                                                "--num-kv-blocks", "4096"])
+    sup = Supervisor(settings, spec, port=free_port())
+    await sup.start()
+    try:
+        for _ in range(2):
+            await sup.start_worker(WorkerRole.aggregated)
+        await sup.wait_workers_ready(2, timeout_s=60)
+        long_a = "alpha " * 300
+        long_b = "bravo " * 300
+        async with httpx.AsyncClient(base_url=sup.url, timeout=60) as http:
+            for _ in range(200):
+                if (await http.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+
+            def body(text, max_tokens):
+                return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]}
+
+            # A occupies one worker while B arrives, so B lands on the other one
+            first_a = asyncio.create_task(http.post("/v1/chat/completions", json=body(long_a, 600)))
+            await asyncio.sleep(1.0)
+            first_b = (await http.post("/v1/chat/completions", json=body(long_b, 4))).json()
+            first_a = (await first_a).json()
+            assert first_a["kvflow"]["worker_id"] != first_b["kvflow"]["worker_id"]
+            await asyncio.sleep(1.0)  # KV events reach the router
+            again_b = (await http.post("/v1/chat/completions", json=body(long_b, 4))).json()
+            again_a = (await http.post("/v1/chat/completions", json=body(long_a, 4))).json()
+        for first, again in ((first_a, again_a), (first_b, again_b)):
+            assert again["kvflow"]["worker_id"] == first["kvflow"]["worker_id"]
+            assert again["kvflow"]["overlap_blocks"] > 0
+            assert again["kvflow"]["policy"] == "kv"
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        await sup.stop()
