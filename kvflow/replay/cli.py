@@ -1,8 +1,15 @@
 """``kvflow replay``: offline simulation, online replay, and report comparison.
 
     kvflow replay TRACE --mode offline [--workers N] [--router POLICY] [--seed S] [--json PATH]
+    kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
+                        [--adjustment-interval-s 60] [--min-workers 1] [--max-workers 16]
     kvflow replay TRACE --mode online  [--bootstrap-servers ... | --url http://...]
     kvflow replay compare a.json b.json ...
+
+With ``--planner sla`` the offline run is sized by the SLA planner (starting
+from ``--workers``), and the same trace is also run on the static-peak pool
+(the smallest static pool reaching ``--sla-target`` attainment) and the
+static-mean pool (see :mod:`kvflow.replay.planner_eval`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ __all__ = ["replay"]
 def replay(
     targets: Annotated[list[str], typer.Argument(help="TRACE file, or `compare` followed by JSON reports.")],
     mode: Annotated[str, typer.Option(help="offline (simulated clock, no broker) | online (live deployment)")] = "offline",
-    workers: Annotated[int, typer.Option(min=1, help="offline: simulated aggregated workers")] = 8,
+    workers: Annotated[int, typer.Option(
+        min=1, help="offline: simulated aggregated workers (with --planner sla: the starting pool)")] = 8,
     router: Annotated[str, typer.Option("--router", help="routing policy")] = "round_robin",
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
@@ -29,8 +37,25 @@ def replay(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
     markdown: Annotated[Optional[Path], typer.Option(help="write the markdown report here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write PNG plots into this directory")] = None,
-    sla_ttft_ms: float = 500.0,
-    sla_itl_ms: float = 50.0,
+    sla_ttft_ms: Annotated[float, typer.Option("--sla-ttft-ms", "--ttft-ms", help="SLA: TTFT threshold, ms")] = 500.0,
+    sla_itl_ms: Annotated[float, typer.Option(
+        "--sla-itl-ms", "--itl-ms", help="SLA: per-request mean ITL (TPOT) threshold, ms")] = 50.0,
+    planner: Annotated[str, typer.Option(help="offline: none | sla (size the pool with the SLA planner)")] = "none",
+    planner_ttft_ms: Annotated[Optional[float], typer.Option(
+        help="planner: mean TTFT it plans for, ms (default: the SLA threshold)")] = None,
+    planner_itl_ms: Annotated[Optional[float], typer.Option(
+        help="planner: mean ITL it plans for, ms (default: the SLA threshold; lower buys tail headroom)")] = None,
+    predictor: Annotated[str, typer.Option(help="planner: constant | arima | kalman | prophet")] = "constant",
+    adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
+    scale_down_hold_intervals: Annotated[int, typer.Option(
+        min=1, help="planner: intervals a lower need must last before scaling down")] = 3,
+    min_workers: Annotated[int, typer.Option(min=1, help="planner: fewest workers")] = 1,
+    max_workers: Annotated[int, typer.Option(min=1, help="planner: most workers (and static-peak search cap)")] = 16,
+    sla_target: Annotated[float, typer.Option(help="planner: SLA attainment the static-peak pool must reach")] = 0.99,
+    profile_kind: Annotated[str, typer.Option(
+        help="planner: aggregated (prefill and decode profiled together) | phases (apart)")] = "aggregated",
+    speedup_ratio: Annotated[float, typer.Option(help="offline: mocker engine speed; step times are divided by this")]
+    = 1.0,
     bootstrap_servers: Annotated[Optional[str], typer.Option("--bootstrap-servers", "-b")] = None,
     url: Annotated[Optional[str], typer.Option(help="online: an OpenAI-compatible base URL instead of Kafka")] = None,
     model: Annotated[str, typer.Option(help="online: model name to request")] = "SmolLM2-135M-Instruct",
@@ -51,12 +76,48 @@ def replay(
     common = dict(start_ms=start_ms, end_ms=end_ms, limit=limit, json_path=json_path, markdown_path=markdown,
                   plot_dir=plots, progress=progress, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms)
     if mode == "offline":
-        report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate, **common)
+        from kvflow.workers.engines.mocker_core import MockerConfig
+
+        try:
+            plan = _planner_options(planner, sla_ttft_ms if planner_ttft_ms is None else planner_ttft_ms,
+                                    sla_itl_ms if planner_itl_ms is None else planner_itl_ms, predictor,
+                                    adjustment_interval_s, scale_down_hold_intervals, min_workers, max_workers,
+                                    workers, sla_target, profile_kind)
+            report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate,
+                                 mocker_config=MockerConfig(speedup_ratio=speedup_ratio), **plan, **common)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
         from kvflow.cli import _settings
+
+        if planner != "none":
+            raise typer.BadParameter("--planner runs in offline mode only (online, run `kvflow up --planner sla`)")
 
         settings = None if url else _settings(bootstrap_servers, namespace)
         report = run_online(trace, settings, url=url, model=model, speedup=speedup, rate=rate, seed=seed, **common)
     else:
         raise typer.BadParameter("--mode must be offline or online")
     typer.echo(render_markdown(report))
+
+
+def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str, interval_s: float, hold: int,
+                     min_workers: int, max_workers: int, workers: int, sla_target: float,
+                     profile_kind: str) -> dict:
+    """``run_offline`` keyword arguments for ``--planner`` (empty for ``none``).
+
+    Raises:
+        ValueError: unknown planner or profile kind, ``--workers`` outside
+            ``[--min-workers, --max-workers]``, or invalid planner settings.
+    """
+    if planner == "none":
+        return {}
+    if planner != "sla":
+        raise ValueError(f"--planner must be none or sla, not {planner!r}")
+    if not min_workers <= workers <= max_workers:
+        raise ValueError(f"--workers {workers} (the starting pool) must lie in [{min_workers}, {max_workers}]")
+    from kvflow.planner.core import PlannerConfig, PlannerMode
+
+    config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=interval_s,
+                           mode=PlannerMode.aggregated, predictor=predictor, min_aggregated_replicas=min_workers,
+                           max_gpus=max_workers, scale_down_hold_intervals=hold)
+    return {"planner": config, "max_workers": max_workers, "sla_target": sla_target, "profile_kind": profile_kind}

@@ -1,17 +1,26 @@
-"""``run_offline``: trace file → simulation → report (JSON, markdown, plots)."""
+"""``run_offline``: trace file → simulation → report (JSON, markdown, plots).
+
+With a :class:`~kvflow.planner.core.PlannerConfig` the SLA planner sizes the
+pool during the run, and the same trace is also run on the static-peak and
+static-mean pools (:mod:`kvflow.replay.planner_eval`).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from kvflow.planner.core import PlannerConfig
+from kvflow.planner.profile import Profile
 from kvflow.replay.compare import compare_reports
+from kvflow.replay.planner_eval import evaluate_planner, replica_hours, worker_lifetimes
 from kvflow.replay.plots import latency_samples, write_plots
 from kvflow.replay.report import Report, RequestRecord, build_report, render_markdown, write_json
 from kvflow.replay.simulator import KvEventHook, SimConfig, simulate
-from kvflow.replay.traces import read_trace
+from kvflow.replay.traces import Trace, read_trace
 from kvflow.workers.engines.mocker_core import MockerConfig
 
 __all__ = ["run_offline", "write_outputs", "compare_reports"]
@@ -51,6 +60,11 @@ def run_offline(
     rate: float | None = None,
     kv_hook: KvEventHook | None = None,
     sample_interval_ms: float = 10_000.0,
+    planner: PlannerConfig | None = None,
+    max_workers: int = 16,
+    sla_target: float = 0.99,
+    profile: Profile | None = None,
+    profile_kind: str = "aggregated",
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -68,6 +82,19 @@ def run_offline(
         sla_ttft_ms, sla_itl_ms: goodput thresholds.
         kv_hook: receives every step's KV events (for a KV index).
         sample_interval_ms: timeline resolution in simulated ms.
+        planner: run the SLA planner (aggregated mode); ``workers`` is then
+            the starting pool. Its TTFT/ITL targets are the mean latencies it
+            plans for; attainment is judged at ``sla_ttft_ms``/``sla_itl_ms``.
+            The report describes the planner run and adds the static-peak and
+            static-mean baselines (:func:`~kvflow.replay.planner_eval.evaluate_planner`).
+        max_workers: with ``planner``: upper end of the static-peak search
+            (set ``planner.max_gpus`` to cap the planner itself).
+        sla_target: with ``planner``: SLA attainment the static-peak pool must reach.
+        profile: with ``planner``: the profile to plan with; default: the
+            mocker with ``mocker_config`` profiled as ``profile_kind``
+            (:func:`~kvflow.replay.planner_eval.profile_for`; the aggregated
+            kind uses the trace's mean OSL).
+        profile_kind: ``aggregated`` or ``phases`` (see ``profile``).
 
     Returns:
         The :class:`Report`.
@@ -75,12 +102,21 @@ def run_offline(
     Raises:
         TraceFormatError: malformed trace. KeyError: unknown policy.
         FileNotFoundError: no trace file.
+        ValueError: a planner setting is invalid (see ``evaluate_planner``),
+            or ``kv_hook`` was given with ``planner``.
     """
     trace = read_trace(trace_path, speedup=speedup, start_ms=start_ms, end_ms=end_ms, limit=limit, rate=rate,
                        seed=seed)
     mocker = mocker_config or MockerConfig()
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
                        sample_interval_ms=sample_interval_ms)
+    if planner is not None:
+        if kv_hook is not None:
+            raise ValueError("kv_hook is not supported together with the planner")
+        return _run_offline_planner(trace, config, planner, max_workers=max_workers, sla_target=sla_target,
+                                    sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, profile=profile,
+                                    profile_kind=profile_kind, progress=progress, json_path=json_path,
+                                    markdown_path=markdown_path, plot_dir=plot_dir)
     res = simulate(trace, config, kv_hook=kv_hook, progress=progress)
     report = build_report(
         res.records, res.itl_gaps_ms, mode="offline", trace=trace.name, trace_format=trace.format, policy=policy,
@@ -90,6 +126,41 @@ def run_offline(
         options={**trace.options, "engine_steps": res.steps, "stalled_steps": res.stalls,
                  "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
     )
+    hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
+    report = report.model_copy(update={"replica_hours": hours})
+    write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
+                  plot_dir=plot_dir)
+    return report
+
+
+def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig, *, max_workers: int,
+                         sla_target: float, sla_ttft_ms: float, sla_itl_ms: float, profile: Profile | None,
+                         profile_kind: str, progress: bool, json_path: str | Path | None,
+                         markdown_path: str | Path | None, plot_dir: str | Path | None) -> Report:
+    """The planner branch of :func:`run_offline`: evaluate, then report on the planner run.
+    ``wall_time_s`` covers profiling, the planner run and the static runs."""
+    t_start = time.perf_counter()
+    ev = evaluate_planner(trace, config, planner, max_replicas=max_workers, sla_ttft_ms=sla_ttft_ms,
+                          sla_itl_ms=sla_itl_ms, sla_target=sla_target, profile=profile, profile_kind=profile_kind,
+                          progress=progress)
+    res, mocker = ev.planner.result, config.mocker or MockerConfig()
+    report = build_report(
+        res.records, res.itl_gaps_ms, mode="offline", trace=trace.name, trace_format=trace.format,
+        policy=config.policy, workers=res.worker_ids, seed=config.seed, sla_ttft_ms=sla_ttft_ms,
+        sla_itl_ms=sla_itl_ms, block_size=mocker.block_size,
+        total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids), busy_ms=res.busy_ms, timeline=res.timeline,
+        wall_time_s=time.perf_counter() - t_start,
+        options={**trace.options, "engine_steps": res.steps, "stalled_steps": res.stalls,
+                 "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
+    )
+    report = report.model_copy(update={
+        "replica_hours": ev.planner.replica_hours,
+        "static_peak_replica_hours": ev.static_peak.replica_hours,
+        "static_mean_replica_hours": ev.static_mean.replica_hours,
+        "static_peak_sla_attainment": ev.static_peak.sla_attainment,
+        "static_mean_sla_attainment": ev.static_mean.sla_attainment,
+        "planner": ev.summary,
+    })
     write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
                   plot_dir=plot_dir)
     return report

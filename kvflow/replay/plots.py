@@ -1,4 +1,5 @@
-"""PNG plots of a replay: latency CDFs and load / hit rate over time (matplotlib, Agg backend)."""
+"""PNG plots of a replay: latency CDFs, load / hit rate over time and, with the
+SLA planner, load, prediction and replicas over time (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from kvflow.replay.report import Report, RequestRecord
 
-__all__ = ["latency_samples", "plot_latency_cdfs", "plot_timeline", "write_plots"]
+__all__ = ["latency_samples", "plot_latency_cdfs", "plot_timeline", "plot_planner", "write_plots"]
 
 _CDF_POINTS = 2000  # a CDF drawn from this many quantiles looks the same as from millions of points
 
@@ -114,8 +115,74 @@ def plot_timeline(report: Report, path: str | Path) -> Path:
     return path
 
 
+def plot_planner(report: Report, path: str | Path) -> Path:
+    """SLA planner run over simulated time, from ``report.planner``. Returns ``path``.
+
+    Top: arrivals per second (timeline bins), the request rate each tick
+    observed (finished requests over the interval before it) and the rate it
+    predicted for the interval after it. Bottom: serving and live (serving +
+    draining) workers, with the static-peak and static-mean pools as lines.
+
+    Raises:
+        ValueError: the report has no planner summary.
+    """
+    if report.planner is None:
+        raise ValueError("report has no planner summary")
+    plt = _pyplot()
+    pl = report.planner
+    fig, (ax_load, ax_rep) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    pts = report.timeline
+    if len(pts) > 1:
+        t = np.array([p.t_s for p in pts])
+        bins = np.diff(np.concatenate([[0.0], t]))
+        arrivals = np.array([p.arrivals for p in pts]) / np.where(bins > 0, bins, np.nan)
+        ax_load.step(t, arrivals, where="pre", color="0.7", lw=0.8, label="arrivals (req/s)")
+    if pl.ticks:
+        interval = pl.settings.get("adjustment_interval_s", 0.0)
+        t_tick = np.array([k.t_s for k in pl.ticks])
+        # The observation covers [t - interval, t); the prediction covers [t, t + interval).
+        ax_load.step(np.append(t_tick - interval, t_tick[-1]), np.append([k.observed_rate_per_s for k in pl.ticks],
+                     pl.ticks[-1].observed_rate_per_s), where="post", color="tab:blue", lw=1.4,
+                     label="observed (finished req/s)")
+        ax_load.step(np.append(t_tick, t_tick[-1] + interval), np.append([k.predicted_rate_per_s for k in pl.ticks],
+                     pl.ticks[-1].predicted_rate_per_s), where="post", color="tab:orange", lw=1.4, ls="--",
+                     label=f"predicted ({pl.settings.get('predictor', '?')})")
+    ax_load.set_ylabel("requests/s")
+    ax_load.legend(loc="upper left", fontsize=8)
+    ax_load.set_title(f"{report.trace}: SLA planner (TTFT ≤ {report.goodput.sla_ttft_ms:g} ms, "
+                      f"ITL ≤ {report.goodput.sla_itl_ms:g} ms)")
+    if pl.replicas:
+        t_rep = [s.t_s for s in pl.replicas] + [report.duration_s]
+        ax_rep.step(t_rep, [s.live for s in pl.replicas] + [pl.replicas[-1].live], where="post", color="tab:red",
+                    lw=1.4, label=f"live workers ({report.replica_hours or 0:.2f} replica-h, "
+                                  f"SLA {report.sla_attainment or 0:.2%})")
+        ax_rep.step(t_rep, [s.serving for s in pl.replicas] + [pl.replicas[-1].serving], where="post",
+                    color="tab:green", lw=1.0, ls="--", label="serving workers")
+    for n, hours, sla, style, name in (
+            (pl.static_peak_replicas, report.static_peak_replica_hours, report.static_peak_sla_attainment, ":",
+             "static peak"),
+            (pl.static_mean_replicas, report.static_mean_replica_hours, report.static_mean_sla_attainment, "-.",
+             "static mean")):
+        ax_rep.axhline(n, color="0.4", ls=style, lw=1.0,
+                       label=f"{name}: {n} ({hours or 0:.2f} replica-h, SLA {sla or 0:.2%})")
+    ax_rep.set_ylabel("workers")
+    ax_rep.set_xlabel("time (s)")
+    ax_rep.set_ylim(bottom=0)
+    ax_rep.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: Report, samples: Mapping[str, np.ndarray], out_dir: str | Path) -> list[Path]:
-    """Write ``latency_cdf.png`` and ``timeline.png`` into ``out_dir``; returns their paths."""
+    """Write ``latency_cdf.png`` and ``timeline.png`` into ``out_dir`` (plus
+    ``planner.png`` when the report has a planner summary); returns their paths."""
     out = Path(out_dir)
     title = f"{report.trace} — {report.policy}, {report.workers} workers"
-    return [plot_latency_cdfs(samples, out / "latency_cdf.png", title), plot_timeline(report, out / "timeline.png")]
+    paths = [plot_latency_cdfs(samples, out / "latency_cdf.png", title), plot_timeline(report, out / "timeline.png")]
+    if report.planner is not None:
+        paths.append(plot_planner(report, out / "planner.png"))
+    return paths

@@ -17,7 +17,12 @@ Definitions (all latencies in ms):
 * prefix hit rate = cached prompt tokens / prompt tokens, over completed requests.
 * goodput = completed requests per second with TTFT <= ``sla_ttft_ms`` and
   TPOT <= ``sla_itl_ms`` (one-token requests are judged on TTFT alone), the
-  per-request SLA test of vLLM's ``benchmark_serving --goodput``.
+  per-request SLA test of vLLM's ``benchmark_serving --goodput``
+  (:func:`meets_sla`).
+* SLA attainment = requests meeting that test / all requests (failed ones
+  count as misses); equal to ``goodput.fraction``.
+* replica-hours = the integral over the run of live workers (serving or
+  draining), from trace start to the last completion, in hours.
 
 Percentiles are numpy's default (linear interpolation between order statistics).
 """
@@ -40,8 +45,14 @@ __all__ = [
     "Goodput",
     "WorkerSummary",
     "TimelinePoint",
+    "PlannerTickPoint",
+    "ReplicaStep",
+    "StaticRun",
+    "PlannerSummary",
     "Report",
     "latency_stats",
+    "meets_sla",
+    "sla_attainment",
     "build_report",
     "load_report",
     "write_json",
@@ -137,12 +148,96 @@ class TimelinePoint(BaseModel):
     arrivals: int
 
 
+class PlannerTickPoint(BaseModel):
+    """One SLA planner tick in an offline replay, at ``t_s`` (simulated seconds).
+
+    Observed values describe the interval just ended (requests that finished
+    in it, as the live planner queries them): ``observed_rate_per_s``
+    (requests/s), ``mean_isl``/``mean_osl`` (tokens), ``mean_ttft_ms``,
+    ``mean_itl_ms`` (mean of per-request mean ITL), ``kv_hit_rate`` (cached /
+    prompt tokens); None without finished requests. ``predicted_rate_per_s``
+    is the core's forecast for the interval starting now.
+    ``serving_replicas`` ran before the tick; ``needed_replicas`` is what the
+    load required and ``target_replicas`` what the planner set (after hold and
+    budget). Corrections are the core's observed/expected latency factors.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    t_s: float
+    num_requests: int
+    observed_rate_per_s: float
+    predicted_rate_per_s: float
+    mean_isl: float | None
+    mean_osl: float | None
+    mean_ttft_ms: float | None
+    mean_itl_ms: float | None
+    kv_hit_rate: float | None
+    serving_replicas: int
+    needed_replicas: int
+    target_replicas: int
+    prefill_correction: float
+    decode_correction: float
+
+
+class ReplicaStep(BaseModel):
+    """From ``t_s`` (simulated seconds) on, ``serving`` workers take new
+    requests and ``live`` workers exist (serving plus draining)."""
+
+    model_config = ConfigDict(frozen=True)
+    t_s: float
+    serving: int
+    live: int
+
+
+class StaticRun(BaseModel):
+    """The same trace on a fixed pool of ``replicas`` workers."""
+
+    model_config = ConfigDict(frozen=True)
+    replicas: int
+    sla_attainment: float
+    replica_hours: float
+
+
+class PlannerSummary(BaseModel):
+    """How the SLA planner ran in an offline replay, and its static baselines.
+
+    ``settings``: the planner settings used. ``sla_target``: the attainment
+    the static-peak search must reach. ``static_peak_replicas``: the smallest
+    static pool whose attainment is at least ``sla_target`` (searched between
+    1 and ``max_replicas``; ``static_peak_meets_target`` false when even
+    ``max_replicas`` misses it, and then it is ``max_replicas``).
+    ``static_mean_replicas``: the planner run's time-weighted mean of live
+    workers, rounded up. ``static_runs``: every static pool simulated, by size.
+    ``replica_hours_vs_static_peak``: planner replica-hours / static-peak
+    replica-hours.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    settings: dict[str, Any]
+    sla_target: float
+    ticks: list[PlannerTickPoint]
+    replicas: list[ReplicaStep]
+    max_replicas: int
+    planner_max_replicas: int
+    planner_mean_replicas: float
+    static_peak_replicas: int
+    static_peak_meets_target: bool
+    static_mean_replicas: int
+    static_runs: list[StaticRun]
+    replica_hours_vs_static_peak: float
+
+
 class Report(BaseModel):
     """A replay's results. Durations in seconds, latencies in ms.
 
     ``duration_s`` runs from trace start (first arrival at 0) to the last
     completion. ``block_size``/``total_kv_blocks`` (all workers) are None
     online when unknown. ``wall_time_s`` is how long the replay itself ran.
+    ``sla_attainment`` is the fraction of all requests meeting both goodput
+    thresholds. Offline, ``replica_hours`` is the integral of live workers
+    over the run (hours). With the SLA planner (``planner`` set), the
+    ``static_*`` fields give replica-hours and attainment of the same trace on
+    the static-peak and static-mean pools (see :class:`PlannerSummary`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -174,6 +269,13 @@ class Report(BaseModel):
     timeline: list[TimelinePoint] = []
     options: dict[str, Any] = {}
     wall_time_s: float | None = None
+    sla_attainment: float | None = None
+    replica_hours: float | None = None
+    static_peak_replica_hours: float | None = None
+    static_mean_replica_hours: float | None = None
+    static_peak_sla_attainment: float | None = None
+    static_mean_sla_attainment: float | None = None
+    planner: PlannerSummary | None = None
 
 
 def latency_stats(values: Sequence[float] | np.ndarray) -> LatencyStats:
@@ -189,6 +291,23 @@ def _tpot(r: RequestRecord) -> float | None:
     if r.output_tokens < 2 or r.first_token_ms is None or r.last_token_ms is None:
         return None
     return (r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1)
+
+
+def meets_sla(r: RequestRecord, sla_ttft_ms: float, sla_itl_ms: float) -> bool:
+    """Whether ``r`` completed with TTFT <= ``sla_ttft_ms`` and TPOT (its mean
+    ITL) <= ``sla_itl_ms``; a one-token request is judged on TTFT alone."""
+    if not r.ok or r.first_token_ms is None or r.first_token_ms - r.arrival_ms > sla_ttft_ms:
+        return False
+    tpot = _tpot(r)
+    return tpot is None or tpot <= sla_itl_ms
+
+
+def sla_attainment(records: Sequence[RequestRecord], sla_ttft_ms: float, sla_itl_ms: float) -> float:
+    """Fraction of ``records`` meeting :func:`meets_sla` (failures count as
+    misses); 0 for no records."""
+    if not records:
+        return 0.0
+    return sum(meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records) / len(records)
 
 
 @dataclass
@@ -234,12 +353,7 @@ def build_report(
     prompt = sum(r.isl for r in done)
     cached = sum(r.cached_tokens for r in done)
     out_tokens = sum(r.output_tokens for r in done)
-    good = 0
-    for r in done:
-        tpot = _tpot(r)
-        if r.first_token_ms is not None and r.first_token_ms - r.arrival_ms <= sla_ttft_ms and (
-                tpot is None or tpot <= sla_itl_ms):
-            good += 1
+    good = sum(meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in done)
     acc = {w: _WorkerAcc() for w in workers}
     for r in done:
         a = acc.setdefault(r.worker_id, _WorkerAcc())
@@ -274,6 +388,7 @@ def build_report(
                         sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms),
         block_size=block_size, total_kv_blocks=total_kv_blocks, per_worker=per_worker, timeline=points,
         options=options or {}, wall_time_s=wall_time_s,
+        sla_attainment=good / len(records) if records else 0.0,
     )
 
 
@@ -298,6 +413,23 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "–" if v is None else f"{v:,.{digits}f}"
 
 
+def _planner_markdown(r: Report, pl: PlannerSummary) -> list[str]:
+    peak_note = "" if pl.static_peak_meets_target else f" (misses the {pl.sla_target:.1%} target even at the cap)"
+    rows = [("SLA planner", f"max {pl.planner_max_replicas}, mean {pl.planner_mean_replicas:.2f}",
+             r.replica_hours, r.sla_attainment),
+            (f"static peak{peak_note}", str(pl.static_peak_replicas), r.static_peak_replica_hours,
+             r.static_peak_sla_attainment),
+            ("static mean", str(pl.static_mean_replicas), r.static_mean_replica_hours, r.static_mean_sla_attainment)]
+    intro = (f"SLA planner (predictor `{pl.settings.get('predictor')}`, every "
+             f"{pl.settings.get('adjustment_interval_s')} s); static peak = smallest static pool with SLA "
+             f"attainment >= {pl.sla_target:.1%}; the planner uses {pl.replica_hours_vs_static_peak:.1%} of its "
+             "replica-hours.")
+    lines = ["", intro, "", "| provisioning | workers | replica-hours | SLA attainment |", "|---|---:|---:|---:|"]
+    for name, n, hours, sla in rows:
+        lines.append(f"| {name} | {n} | {_f(hours, 3)} | {'–' if sla is None else f'{sla:.2%}'} |")
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     """A human-readable markdown summary of ``report`` (latency table, totals, workers)."""
     r = report
@@ -313,8 +445,12 @@ def render_markdown(report: Report) -> str:
         f"- goodput: {r.goodput.requests_per_s:.2f} req/s ({r.goodput.fraction:.1%} of requests meet "
         f"TTFT ≤ {r.goodput.sla_ttft_ms:g} ms and ITL ≤ {r.goodput.sla_itl_ms:g} ms)",
     ]
+    if r.replica_hours is not None:
+        lines.append(f"- replica-hours: {r.replica_hours:.3f}")
     if r.wall_time_s is not None:
         lines.append(f"- wall time: {r.wall_time_s:.1f} s")
+    if r.planner is not None:
+        lines += _planner_markdown(r, r.planner)
     lines += ["", "| latency (ms) | p50 | p90 | p99 | mean | count |", "|---|---:|---:|---:|---:|---:|"]
     for name, s in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("TPOT", r.tpot_ms), ("e2e", r.e2e_ms),
                     ("queue", r.queue_ms)):
