@@ -52,6 +52,7 @@ def up(
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
     host: str = "127.0.0.1",
     port: int = 8000,
+    bridge: Annotated[bool, typer.Option(help="Serve the OpenAI HTTP bridge (off: Kafka-native clients only).")] = True,
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
     policy: Annotated[str, typer.Option(help="Routing policy.")] = "least_loaded",
@@ -103,7 +104,8 @@ def up(
         workers = min(max(workers, min_workers), max_workers)
 
     async def main() -> None:
-        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port)
+        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port,
+                         bridge=bridge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -131,7 +133,8 @@ def up(
                     await sup.start_planner(*plan)
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
-                typer.echo(f"kvflow is serving {model} at {sup.url}/v1  (Ctrl-C to stop)")
+                where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
+                typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
         finally:
