@@ -225,7 +225,7 @@ class FakeKafkaClient:
                                 token_ids=token_ids, sampling=sampling, reply_to=ReplyTo(topic="r", partition=0),
                                 created_ms=1_000)
 
-    async def stream(self, request):
+    async def stream(self, request, key=None):
         import asyncio
 
         from kvflow.schemas import FinalResponse, FinishReason, Timings, TokenDelta, Usage

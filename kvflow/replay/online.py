@@ -98,7 +98,9 @@ async def _kafka_one(client: Any, live: _Live, req: TraceRequest, rec: RequestRe
                                      request_id=f"{req.request_id}-{run_tag}")
     sent_epoch_ms = request.created_ms
     n_tokens = 0
-    async for ev in client.stream(request):
+    # One partition key per run: the router sees requests in trace order, as
+    # the offline simulator does (keys by request id would interleave partitions).
+    async for ev in client.stream(request, key=run_tag):
         if isinstance(ev, TokenDelta):
             live.token(rec, len(ev.token_ids))
             n_tokens += len(ev.token_ids)

@@ -133,13 +133,19 @@ class KvflowClient:
             sampling=sampling or SamplingParams(), reply_to=self.reply_to, created_ms=now_ms(), **fields,
         )
 
-    async def submit(self, request: InferenceRequest) -> None:
-        """Produce ``request`` to the requests topic without waiting for responses."""
-        await self._producer.send_and_wait(self.catalog.requests.name, encode(request), key=request.request_id.encode())
+    async def submit(self, request: InferenceRequest, *, key: str | None = None) -> None:
+        """Produce ``request`` to the requests topic without waiting for responses.
 
-    async def stream(self, request: InferenceRequest) -> AsyncIterator[TokenDelta | FinalResponse]:
-        """Send ``request`` and yield its :class:`TokenDelta` records, then its
-        :class:`FinalResponse`.
+        ``key`` (default: the request id) picks the requests partition;
+        requests sharing a key reach the router in the order sent.
+        """
+        await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
+                                           key=(key or request.request_id).encode())
+
+    async def stream(self, request: InferenceRequest, *, key: str | None = None,
+                     ) -> AsyncIterator[TokenDelta | FinalResponse]:
+        """Send ``request`` (partition ``key`` as in :meth:`submit`) and yield its
+        :class:`TokenDelta` records, then its :class:`FinalResponse`.
 
         Raises:
             RequestTimeout: nothing arrived for ``timeout_s``.
@@ -150,7 +156,7 @@ class KvflowClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request.request_id] = queue
         try:
-            await self.submit(request)
+            await self.submit(request, key=key)
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), self.timeout_s)
