@@ -347,6 +347,9 @@ def _register_replay() -> None:
     from kvflow.replay.cli import replay
 
     app.command(help="Replay a traffic trace (offline simulation or online), or compare reports.")(replay)
+    from kvflow.replay.aiperf_cli import aiperf
+
+    app.command("aiperf")(aiperf)
 
 
 _register_replay()

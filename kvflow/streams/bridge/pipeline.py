@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import Request, Response
 
 from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, RequestKind, TokenDelta, now_ms
@@ -153,6 +153,10 @@ async def _next_record(events: Events, state: BridgeState, request_id: str) -> T
     except StopAsyncIteration:
         raise BridgeError(502, f"The response stream of {request_id} ended without a final record.",
                           "server_error", code="incomplete_response") from None
+    except MessageSizeTooLargeError:
+        # The request record exceeds the Kafka message size limit: retrying cannot help, so not a 503.
+        raise payload_too_large(f"Request {request_id} is too large for one Kafka record; send a shorter "
+                                "prompt (or lower KVFLOW_MAX_PROMPT_TOKENS).") from None
     except KafkaError as exc:
         raise BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
                           code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
