@@ -9,7 +9,7 @@ if [ "${KVFLOW_TEST_AIPERF:-0}" = "1" ] && [ -z "${KVFLOW_AIPERF:-}" ]; then
     python3 -m venv .venv-aiperf && .venv-aiperf/bin/python -m pip install -q "aiperf==0.13.0" \
       || echo "aiperf install failed: tests/test_aiperf.py will skip"
   fi
-  [ -x .venv-aiperf/bin/aiperf ] && export KVFLOW_AIPERF="$PWD/.venv-aiperf/bin/aiperf"
+  if [ -x .venv-aiperf/bin/aiperf ]; then export KVFLOW_AIPERF="$PWD/.venv-aiperf/bin/aiperf"; fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec .venv/bin/python -m pytest -q -ra "$@"
