@@ -69,6 +69,8 @@ def up(
     profile: Annotated[Optional[Path], typer.Option(
         help="SLA planner: engine profile JSON (`kvflow profile`); default: profile the mocker now.")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
+    mocker_tokenizer: Annotated[Optional[str], typer.Option(
+        help="mocker: tokenize like this model (e.g. SmolLM2-135M-Instruct) instead of bytes.")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
     = None,
     verbose: bool = False,
@@ -88,6 +90,8 @@ def up(
                         disagg_prefill_threshold_tokens=disagg_threshold_tokens)
     mocker_args = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
+    if engine == "mocker" and mocker_tokenizer:
+        extra_args.append(f"--tokenizer={mocker_tokenizer}")
     plan = None
     if planner == "sla":
         from kvflow.planner.core import PlannerConfig, PlannerMode
@@ -156,6 +160,8 @@ def worker(
     block_size: Annotated[Optional[int], typer.Option(help="KV block size in tokens (engine default if unset).")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
@@ -169,7 +175,7 @@ def worker(
     settings = _settings(bootstrap_servers, namespace, embedded_broker or None)
     asyncio.run(run_worker(settings, slot=slot, engine=engine, model=model, role=role, worker_id=worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
-                           device=device))
+                           device=device, tokenizer=tokenizer))
 
 
 @app.command()

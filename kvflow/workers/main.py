@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(engine: str, model: str, *, block_size: int | None = None, num_kv_blocks: int | None = None,
-                 speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker") -> tuple[Engine, str, str]:
+                 speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker",
+                 tokenizer: str | None = None) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
@@ -38,8 +39,14 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["block_size"] = block_size
         if num_kv_blocks:
             kw["num_kv_blocks"] = num_kv_blocks
-        engine_obj = make_engine("mocker", config=MockerConfig(**kw), worker_id=worker_id, model_name=model)
-        return engine_obj, model, "bytes"
+        spec = "bytes"
+        if tokenizer and tokenizer != "bytes":
+            from kvflow.workers.models import resolve_model
+
+            spec = str(resolve_model(tokenizer).path)
+        engine_obj = make_engine("mocker", config=MockerConfig(**kw), worker_id=worker_id, model_name=model,
+                                 tokenizer=spec)
+        return engine_obj, model, spec
     if engine == "hf":
         from kvflow.workers.models import resolve_model
 
@@ -56,11 +63,12 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
 async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                      role: WorkerRole = WorkerRole.aggregated, worker_id: str | None = None,
                      block_size: int | None = None, num_kv_blocks: int | None = None,
-                     speedup_ratio: float = 1.0, device: str = "cpu") -> None:
+                     speedup_ratio: float = 1.0, device: str = "cpu", tokenizer: str | None = None) -> None:
     """Run a worker until it is drained (SIGTERM/SIGINT) or stopped."""
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
     eng, served_name, tokenizer = build_engine(engine, model, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                               speedup_ratio=speedup_ratio, device=device, worker_id=worker_id)
+                                               speedup_ratio=speedup_ratio, device=device, worker_id=worker_id,
+                                               tokenizer=tokenizer)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role), eng)
     loop = asyncio.get_running_loop()

@@ -58,6 +58,8 @@ class MockerEngine(Engine):
         config: simulation settings; defaults to :class:`MockerConfig` defaults.
         worker_id: name handed to the core.
         model_name: reported model name.
+        tokenizer: tokenizer spec (``bytes``, or a local HF model directory
+            for prompt lengths and output text in that model's tokens).
         sleep: awaited with each step's duration in seconds; defaults to
             :func:`asyncio.sleep` (wall clock).
 
@@ -75,16 +77,25 @@ class MockerEngine(Engine):
         worker_id: str = "mocker",
         model_name: str = "mocker",
         sleep: Sleep = asyncio.sleep,
+        tokenizer: str = "bytes",
     ) -> None:
         self.config = config or MockerConfig()
         self.core = MockerCore(self.config, worker_id)
         self.block_size = self.config.block_size
         self.model_name = model_name
-        self.tokenizer = _load_bytes_tokenizer()
-        # Served output must decode to readable text with the byte tokenizer:
-        # core ids are folded onto the ids of lowercase letters and space.
-        self._text_ids = (self.tokenizer.encode_prompt("abcdefghijklmnopqrstuvwxyz ")
-                          if self.tokenizer is not None else None)
+        if tokenizer == "bytes":
+            self.tokenizer = _load_bytes_tokenizer()
+            # Served output must decode to readable text with the byte tokenizer:
+            # core ids are folded onto the ids of lowercase letters and space.
+            self._text_ids = (self.tokenizer.encode_prompt("abcdefghijklmnopqrstuvwxyz ")
+                              if self.tokenizer is not None else None)
+        else:
+            # A real model's tokenizer: prompt lengths match the model's, and
+            # output ids are folded into its vocabulary (they decode to words).
+            from kvflow.workers.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(tokenizer)
+            self._text_ids = range(min(self.config.vocab_size, self.tokenizer.vocab_size))
         self._sleep = sleep
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._wake = asyncio.Event()
