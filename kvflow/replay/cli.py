@@ -1,6 +1,8 @@
 """``kvflow replay``: offline simulation, online replay, and report comparison.
 
     kvflow replay TRACE --mode offline [--workers N] [--router POLICY] [--seed S] [--json PATH]
+    kvflow replay TRACE --mode offline --prefill-workers P --decode-workers D [--workers N]
+                        [--disagg-threshold-tokens 1000] [--disagg-max-prefill-queue 2]
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
                         [--adjustment-interval-s 60] [--min-workers 1] [--max-workers 16]
     kvflow replay TRACE --mode online  [--bootstrap-servers ... | --url http://...]
@@ -10,6 +12,13 @@ With ``--planner sla`` the offline run is sized by the SLA planner (starting
 from ``--workers``), and the same trace is also run on the static-peak pool
 (the smallest static pool reaching ``--sla-target`` attainment) and the
 static-mean pool (see :mod:`kvflow.replay.planner_eval`).
+
+With ``--prefill-workers``/``--decode-workers`` the offline run is
+disaggregated: the live router's conditional-disaggregation rule places each
+request (see :mod:`kvflow.replay.simulator`). ``--workers`` then counts extra
+aggregated workers and defaults to 0 when decode workers are given (beside a
+decode pool they would get nothing); with prefill workers only it keeps its
+default of 8 and those aggregated workers decode.
 """
 
 from __future__ import annotations
@@ -25,8 +34,18 @@ __all__ = ["replay"]
 def replay(
     targets: Annotated[list[str], typer.Argument(help="TRACE file, or `compare` followed by JSON reports.")],
     mode: Annotated[str, typer.Option(help="offline (simulated clock, no broker) | online (live deployment)")] = "offline",
-    workers: Annotated[int, typer.Option(
-        min=1, help="offline: simulated aggregated workers (with --planner sla: the starting pool)")] = 8,
+    workers: Annotated[Optional[int], typer.Option(
+        min=0, help="offline: simulated aggregated workers (with --planner sla: the starting pool); "
+                    "default 8, or 0 when --decode-workers is given")] = None,
+    prefill_workers: Annotated[int, typer.Option(
+        min=0, help="offline: simulated prefill-only workers (disaggregated serving)")] = 0,
+    decode_workers: Annotated[int, typer.Option(
+        min=0, help="offline: simulated decode workers (disaggregated serving)")] = 0,
+    disagg_threshold_tokens: Annotated[int, typer.Option(
+        min=0, help="offline disaggregated: prefill remotely only when the uncached prompt exceeds this")] = 1000,
+    disagg_max_prefill_queue: Annotated[int, typer.Option(
+        min=1, help="offline disaggregated: prefill remotely only while the prefill queue is below this "
+                    "many requests per prefill worker")] = 2,
     router: Annotated[str, typer.Option("--router", help="routing policy")] = "round_robin",
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
@@ -75,7 +94,10 @@ def replay(
     trace = Path(targets[0])
     common = dict(start_ms=start_ms, end_ms=end_ms, limit=limit, json_path=json_path, markdown_path=markdown,
                   plot_dir=plots, progress=progress, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms)
+    if workers is None:
+        workers = 0 if decode_workers else 8
     if mode == "offline":
+        from kvflow.router.disagg import DisaggConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
         try:
@@ -83,8 +105,12 @@ def replay(
                                     sla_itl_ms if planner_itl_ms is None else planner_itl_ms, predictor,
                                     adjustment_interval_s, scale_down_hold_intervals, min_workers, max_workers,
                                     workers, sla_target, profile_kind)
+            disagg = DisaggConfig(prefill_threshold_tokens=disagg_threshold_tokens,
+                                  max_prefill_queue_per_worker=disagg_max_prefill_queue)
             report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate,
-                                 mocker_config=MockerConfig(speedup_ratio=speedup_ratio), **plan, **common)
+                                 mocker_config=MockerConfig(speedup_ratio=speedup_ratio),
+                                 prefill_workers=prefill_workers, decode_workers=decode_workers, disagg=disagg,
+                                 **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
@@ -92,6 +118,9 @@ def replay(
 
         if planner != "none":
             raise typer.BadParameter("--planner runs in offline mode only (online, run `kvflow up --planner sla`)")
+        if prefill_workers or decode_workers:
+            raise typer.BadParameter("--prefill-workers/--decode-workers size the offline simulation; online, the "
+                                     "deployment's own workers serve (`kvflow up --prefill-workers ...`)")
 
         settings = None if url else _settings(bootstrap_servers, namespace)
         report = run_online(trace, settings, url=url, model=model, speedup=speedup, rate=rate, seed=seed, **common)

@@ -2,7 +2,9 @@
 
 With a :class:`~kvflow.planner.core.PlannerConfig` the SLA planner sizes the
 pool during the run, and the same trace is also run on the static-peak and
-static-mean pools (:mod:`kvflow.replay.planner_eval`).
+static-mean pools (:mod:`kvflow.replay.planner_eval`). With prefill or decode
+workers the run is disaggregated (see :mod:`kvflow.replay.simulator`) and the
+report carries a :class:`~kvflow.replay.report.DisaggSummary`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from kvflow.planner.profile import Profile
 from kvflow.replay.compare import compare_reports
 from kvflow.replay.planner_eval import evaluate_planner, replica_hours, worker_lifetimes
 from kvflow.replay.plots import latency_samples, write_plots
-from kvflow.replay.report import Report, RequestRecord, build_report, render_markdown, write_json
+from kvflow.replay.report import Report, RequestRecord, build_report, disagg_summary, render_markdown, write_json
 from kvflow.replay.simulator import KvEventHook, SimConfig, simulate
 from kvflow.replay.traces import Trace, read_trace
+from kvflow.router.disagg import DisaggConfig
 from kvflow.workers.engines.mocker_core import MockerConfig
 
 __all__ = ["run_offline", "write_outputs", "compare_reports"]
@@ -65,12 +68,15 @@ def run_offline(
     sla_target: float = 0.99,
     profile: Profile | None = None,
     profile_kind: str = "aggregated",
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
+    disagg: DisaggConfig | None = None,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
     Args:
         trace_path: any format of :mod:`kvflow.replay.traces`.
-        workers: simulated aggregated workers.
+        workers: simulated aggregated workers (0 allowed with ``decode_workers``).
         policy: routing policy name.
         seed: seeds synthetic prompts, Poisson arrivals and engine outputs;
             equal inputs and seed give an identical report (``wall_time_s``
@@ -95,6 +101,13 @@ def run_offline(
             (:func:`~kvflow.replay.planner_eval.profile_for`; the aggregated
             kind uses the trace's mean OSL).
         profile_kind: ``aggregated`` or ``phases`` (see ``profile``).
+        prefill_workers, decode_workers: simulated prefill-only and decode
+            workers; either > 0 makes the run disaggregated (the live
+            router's :func:`kvflow.router.disagg.place` rule). Aggregated
+            workers beside decode workers receive nothing (that rule decodes
+            on the decode pool); beside prefill workers only, they are the
+            decode targets.
+        disagg: the rule's thresholds (default :class:`DisaggConfig`).
 
     Returns:
         The :class:`Report`.
@@ -103,16 +116,21 @@ def run_offline(
         TraceFormatError: malformed trace. KeyError: unknown policy.
         FileNotFoundError: no trace file.
         ValueError: a planner setting is invalid (see ``evaluate_planner``),
-            or ``kv_hook`` was given with ``planner``.
+            ``kv_hook`` was given with ``planner``, the planner was asked for
+            a disaggregated run, or the worker counts are invalid.
     """
     trace = read_trace(trace_path, speedup=speedup, start_ms=start_ms, end_ms=end_ms, limit=limit, rate=rate,
                        seed=seed)
     mocker = mocker_config or MockerConfig()
+    disagg = disagg or DisaggConfig()
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
-                       sample_interval_ms=sample_interval_ms)
+                       sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
+                       decode_workers=decode_workers, disagg=disagg)
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")
+        if prefill_workers or decode_workers:
+            raise ValueError("the offline SLA planner sizes aggregated pools only; drop the prefill/decode workers")
         return _run_offline_planner(trace, config, planner, max_workers=max_workers, sla_target=sla_target,
                                     sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, profile=profile,
                                     profile_kind=profile_kind, progress=progress, json_path=json_path,
@@ -128,6 +146,16 @@ def run_offline(
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
     report = report.model_copy(update={"replica_hours": hours})
+    if res.disaggregated:
+        summary = disagg_summary(
+            res.records, worker_roles=res.worker_roles, busy_ms=res.busy_ms, duration_ms=report.duration_s * 1000.0,
+            prefill_tokens=res.prefill_tokens, decode_tokens=res.decode_tokens, prefill_plans=res.prefill_plans,
+            prefill_threshold_tokens=disagg.prefill_threshold_tokens,
+            max_prefill_queue_per_worker=disagg.max_prefill_queue_per_worker)
+        report = report.model_copy(update={
+            "disagg": summary,
+            "options": {**report.options, "prefill_workers": prefill_workers, "decode_workers": decode_workers,
+                        "aggregated_workers": workers}})
     write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
                   plot_dir=plot_dir)
     return report

@@ -23,6 +23,10 @@ Definitions (all latencies in ms):
   count as misses); equal to ``goodput.fraction``.
 * replica-hours = the integral over the run of live workers (serving or
   draining), from trace start to the last completion, in hours.
+* disaggregated runs (:class:`DisaggSummary`): a remotely prefilled request
+  counts on its prefill worker for prompt and cached tokens and on its
+  decode worker for output tokens (both count the request); TTFT includes
+  the KV transfer; the prefix hit rate is the prefill worker's hit.
 
 Percentiles are numpy's default (linear interpolation between order statistics).
 """
@@ -30,7 +34,7 @@ Percentiles are numpy's default (linear interpolation between order statistics).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,11 +53,14 @@ __all__ = [
     "ReplicaStep",
     "StaticRun",
     "PlannerSummary",
+    "PoolSummary",
+    "DisaggSummary",
     "Report",
     "latency_stats",
     "meets_sla",
     "sla_attainment",
     "build_report",
+    "disagg_summary",
     "load_report",
     "write_json",
     "render_markdown",
@@ -66,6 +73,10 @@ class RequestRecord:
 
     ``output_tokens`` counts tokens received; ``cached_tokens`` is the prompt
     prefix served from the prefix cache; ``error`` is set for failed requests.
+    A remotely prefilled request (disaggregated replay) names its
+    ``prefill_worker_id`` (``worker_id`` is then the decode worker) and the
+    modelled KV transfer: ``kv_transfer_ms`` and ``kv_transfer_tokens``
+    (prompt tokens moved, i.e. not in the decode worker's prefix cache).
     """
 
     request_id: str
@@ -80,6 +91,9 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    prefill_worker_id: str = ""
+    kv_transfer_ms: float | None = None
+    kv_transfer_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -123,7 +137,9 @@ class Goodput(BaseModel):
 
 class WorkerSummary(BaseModel):
     """One worker's share. ``busy_fraction`` (engine stepping time / duration)
-    is None online, where it is not observed."""
+    is None online, where it is not observed. In a disaggregated run a
+    remotely prefilled request adds its prompt and cached tokens to its
+    prefill worker and its output tokens to its decode worker."""
 
     model_config = ConfigDict(frozen=True)
     worker_id: str
@@ -227,6 +243,48 @@ class PlannerSummary(BaseModel):
     replica_hours_vs_static_peak: float
 
 
+class PoolSummary(BaseModel):
+    """One worker pool of a disaggregated replay.
+
+    ``role``: ``prefill``, ``decode`` or ``aggregated``. ``requests``:
+    completed requests whose prefill (prefill pool) or decode (other pools)
+    ran there. ``busy_fraction``: mean over the pool's workers of engine
+    stepping time / run duration. ``prefill_tokens``/``decode_tokens``:
+    tokens the pool's engines computed (prefix-cache hits excluded).
+    """
+
+    model_config = ConfigDict(frozen=True)
+    role: str
+    workers: int
+    requests: int
+    busy_fraction: float
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class DisaggSummary(BaseModel):
+    """How the conditional-disaggregation rule placed a replay's requests.
+
+    ``remote_prefills``/``local_prefills``: requests whose prefill ran on a
+    prefill worker / on their decode (or aggregated) worker; ``local_reasons``
+    counts the rule's clause for the local ones (``short_prompt``,
+    ``prefill_queue_full``, ``no_prefill_workers``). ``kv_transfer_ms``: the
+    modelled transfer time of completed remote requests; ``kv_transfer_tokens``:
+    prompt tokens they moved. Thresholds are the
+    :class:`~kvflow.router.disagg.DisaggConfig` used.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    prefill_threshold_tokens: int
+    max_prefill_queue_per_worker: int
+    remote_prefills: int
+    local_prefills: int
+    local_reasons: dict[str, int]
+    kv_transfer_ms: LatencyStats
+    kv_transfer_tokens: int
+    pools: list[PoolSummary]
+
+
 class Report(BaseModel):
     """A replay's results. Durations in seconds, latencies in ms.
 
@@ -238,6 +296,7 @@ class Report(BaseModel):
     over the run (hours). With the SLA planner (``planner`` set), the
     ``static_*`` fields give replica-hours and attainment of the same trace on
     the static-peak and static-mean pools (see :class:`PlannerSummary`).
+    ``disagg`` describes a disaggregated offline replay (None otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -276,6 +335,7 @@ class Report(BaseModel):
     static_peak_sla_attainment: float | None = None
     static_mean_sla_attainment: float | None = None
     planner: PlannerSummary | None = None
+    disagg: DisaggSummary | None = None
 
 
 def latency_stats(values: Sequence[float] | np.ndarray) -> LatencyStats:
@@ -358,9 +418,12 @@ def build_report(
     for r in done:
         a = acc.setdefault(r.worker_id, _WorkerAcc())
         a.requests += 1
+        a.output_tokens += r.output_tokens
+        if r.prefill_worker_id:  # the prompt was computed (and cache-hit) on the prefill worker
+            a = acc.setdefault(r.prefill_worker_id, _WorkerAcc())
+            a.requests += 1
         a.prompt_tokens += r.isl
         a.cached_tokens += r.cached_tokens
-        a.output_tokens += r.output_tokens
     per_worker = [
         WorkerSummary(worker_id=w, requests=a.requests, prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
                       prefix_hit_rate=a.cached_tokens / a.prompt_tokens if a.prompt_tokens else 0.0,
@@ -389,6 +452,54 @@ def build_report(
         block_size=block_size, total_kv_blocks=total_kv_blocks, per_worker=per_worker, timeline=points,
         options=options or {}, wall_time_s=wall_time_s,
         sla_attainment=good / len(records) if records else 0.0,
+    )
+
+
+def disagg_summary(
+    records: Sequence[RequestRecord],
+    *,
+    worker_roles: Mapping[str, str],
+    busy_ms: Mapping[str, float],
+    duration_ms: float,
+    prefill_tokens: Mapping[str, int],
+    decode_tokens: Mapping[str, int],
+    prefill_plans: Mapping[str, int],
+    prefill_threshold_tokens: int,
+    max_prefill_queue_per_worker: int,
+) -> DisaggSummary:
+    """Summarise a disaggregated replay (see :class:`DisaggSummary`).
+
+    ``worker_roles`` maps every worker id to its role; ``busy_ms``,
+    ``prefill_tokens`` and ``decode_tokens`` are per worker (ms, tokens);
+    ``duration_ms`` is the run's duration (the report's ``duration_s`` × 1000);
+    ``prefill_plans`` counts the rule's outcomes by reason (``remote`` and the
+    local clauses). Pools are listed prefill, decode, aggregated, those with
+    workers only.
+    """
+    done = [r for r in records if r.ok]
+    served: dict[str, int] = {}
+    for r in done:
+        served[r.worker_id] = served.get(r.worker_id, 0) + 1
+        if r.prefill_worker_id:
+            served[r.prefill_worker_id] = served.get(r.prefill_worker_id, 0) + 1
+    pools = []
+    for role in ("prefill", "decode", "aggregated"):
+        ids = [w for w, r in worker_roles.items() if r == role]
+        if not ids:
+            continue
+        busy = [busy_ms.get(w, 0.0) / duration_ms if duration_ms else 0.0 for w in ids]
+        pools.append(PoolSummary(role=role, workers=len(ids), requests=sum(served.get(w, 0) for w in ids),
+                                 busy_fraction=sum(busy) / len(busy),
+                                 prefill_tokens=sum(prefill_tokens.get(w, 0) for w in ids),
+                                 decode_tokens=sum(decode_tokens.get(w, 0) for w in ids)))
+    remote = [r for r in done if r.prefill_worker_id and r.kv_transfer_ms is not None]
+    return DisaggSummary(
+        prefill_threshold_tokens=prefill_threshold_tokens, max_prefill_queue_per_worker=max_prefill_queue_per_worker,
+        remote_prefills=prefill_plans.get("remote", 0),
+        local_prefills=sum(n for k, n in prefill_plans.items() if k != "remote"),
+        local_reasons={k: n for k, n in sorted(prefill_plans.items()) if k != "remote"},
+        kv_transfer_ms=latency_stats([r.kv_transfer_ms for r in remote]),
+        kv_transfer_tokens=sum(r.kv_transfer_tokens for r in remote), pools=pools,
     )
 
 
@@ -430,6 +541,21 @@ def _planner_markdown(r: Report, pl: PlannerSummary) -> list[str]:
     return lines
 
 
+def _disagg_markdown(d: DisaggSummary) -> list[str]:
+    reasons = ", ".join(f"{k} {n:,}" for k, n in d.local_reasons.items()) or "none"
+    t = d.kv_transfer_ms
+    intro = (f"Disaggregation (remote prefill when uncached prompt > {d.prefill_threshold_tokens:,} tokens and "
+             f"prefill queue < {d.max_prefill_queue_per_worker} per prefill worker): "
+             f"{d.remote_prefills:,} remote, {d.local_prefills:,} local ({reasons}); KV transfer "
+             f"p50/p99 {_f(t.p50)}/{_f(t.p99)} ms, {d.kv_transfer_tokens:,} prompt tokens moved.")
+    lines = ["", intro, "", "| pool | workers | requests | busy | prefill tokens | decode tokens |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for p in d.pools:
+        lines.append(f"| {p.role} | {p.workers} | {p.requests:,} | {p.busy_fraction:.1%} | {p.prefill_tokens:,} | "
+                     f"{p.decode_tokens:,} |")
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     """A human-readable markdown summary of ``report`` (latency table, totals, workers)."""
     r = report
@@ -451,6 +577,8 @@ def render_markdown(report: Report) -> str:
         lines.append(f"- wall time: {r.wall_time_s:.1f} s")
     if r.planner is not None:
         lines += _planner_markdown(r, r.planner)
+    if r.disagg is not None:
+        lines += _disagg_markdown(r.disagg)
     lines += ["", "| latency (ms) | p50 | p90 | p99 | mean | count |", "|---|---:|---:|---:|---:|---:|"]
     for name, s in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("TPOT", r.tpot_ms), ("e2e", r.e2e_ms),
                     ("queue", r.queue_ms)):

@@ -1,4 +1,4 @@
-"""Offline replay: a discrete-event simulation of an aggregated kvflow deployment.
+"""Offline replay: a discrete-event simulation of a kvflow deployment, aggregated or disaggregated.
 
 No broker, no wall clock. Trace arrivals are routed by the real routing code
 (:func:`kvflow.router.policies.select_worker` over a
@@ -12,22 +12,61 @@ on a simulated clock:
   ``now + duration_ms``, when the next step starts if work remains;
 * requests arriving at a busy worker join its next step; simultaneous
   arrivals at an idle worker are all queued before its step starts;
-* events at equal times run arrivals first, then step ends, then step starts.
+* events at equal times run arrivals first, then KV transfer ends, then step
+  ends, then step starts (so a request that reaches an engine at the instant
+  its next step begins joins that step).
 
 Timings recorded per request (see :mod:`kvflow.replay.report`): arrival,
 first scheduled (start of the first step that admitted it), every token
 delivery, finish. The loop is one heap of step events merged with the sorted
 arrival list, so it is deterministic for a given trace and seed.
 
-Extension points (later work, not built here):
+Disaggregated mode (``SimConfig.prefill_workers`` / ``decode_workers`` > 0,
+or any worker added with a prefill or decode role): each arrival is placed by
+the live router's rule, :func:`kvflow.router.disagg.place` (decode worker by
+the policy over the decode pool, else the aggregated pool; remote prefill only
+when the uncached prompt exceeds ``DisaggConfig.prefill_threshold_tokens`` and
+the prefill pool's queue is short). The worker paths mirror
+:mod:`kvflow.workers.disagg` with the mocker engine
+(:mod:`kvflow.workers.engines.mocker`):
+
+* local prefill: the decode (or aggregated) worker serves the whole request,
+  exactly as an aggregated worker does;
+* remote prefill: the prefill worker's core runs the prompt with
+  ``max_tokens = 1`` (``MockerEngine.prefill``); at the end of the step that
+  samples that token, the KV transfer starts: it moves the prompt tokens the
+  decode worker's prefix cache lacks at that moment
+  (``MockerCore.cached_prompt_tokens``) and lasts
+  :func:`~kvflow.workers.engines.mocker_core.kv_transfer_time_ms` of them,
+  divided by ``speedup_ratio`` (``MockerEngine.generate_from_kv``). Transfers
+  run concurrently and never contend for bandwidth;
+* at the transfer's end the decode worker delivers the prefill's first token
+  (so **TTFT = prefill queueing and compute + KV transfer**: the live prefill
+  worker sends nothing to the client, the decode worker streams the first
+  token after pulling the KV) and, if more tokens are due, adds the request
+  to its core with ``kv_imported=True``: blocks allocated and committed, no
+  prefill compute; tokens 1, 2, ... come from its steps, so every ITL gap is
+  decode-worker time (the first gap includes waiting for a step in flight).
+
+A remote request's ``cached_tokens`` is the prefill worker's prefix hit (as
+the live final response reports it); ``worker_id`` is the decode worker,
+``prefill_worker_id`` the prefill worker, ``scheduled_ms`` the start of its
+first prefill step, ``kv_transfer_ms``/``kv_transfer_tokens`` the modelled
+transfer. Until its KV arrives a remote request is on no decode engine, so
+its decode worker's load leaves it out while it prefills and transfers: the
+live worker's heartbeat does too, and the live router's routed-since-heartbeat
+count holds it only until the next heartbeat, which the simulator refreshes
+before every decision. With both aggregated and decode workers, the live
+rule sends nothing to the aggregated ones; with aggregated and prefill
+workers only, the aggregated workers are the decode targets.
+
+Extension points:
 
 * ``kv_hook.on_kv_events(worker_id, events)`` receives each step's KV events
   at the step's end — a KV index for a KV-aware policy plugs in there;
 * ``planner.on_tick(now_ms, sim)`` is called every ``planner.interval_ms``
   and may call :meth:`Simulation.add_worker` / :meth:`Simulation.drain_worker`;
-* :meth:`Simulation.dispatch` places one arrived request; a disaggregated
-  mode overrides it (prefill pool first, then decode) and can use each
-  worker's ``role``.
+* :meth:`Simulation.dispatch` places one arrived request.
 """
 
 from __future__ import annotations
@@ -37,7 +76,7 @@ import logging
 import sys
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -45,14 +84,15 @@ from typing import Protocol
 from kvflow.replay.report import RequestRecord, TimelineSample
 from kvflow.replay.synth import PrefixHasher
 from kvflow.replay.traces import Trace, TraceRequest
+from kvflow.router.disagg import DisaggConfig, place
 from kvflow.router.hashing import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.kv_policy import EVENT_POLICIES
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
 from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
-from kvflow.schemas import KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
-from kvflow.workers.engines.base import EngineError, GenerateRequest
-from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult
+from kvflow.schemas import FinishReason, KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
+from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest
+from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 
 __all__ = [
     "HASH_FREE_POLICIES",
@@ -70,7 +110,10 @@ log = logging.getLogger(__name__)
 HASH_FREE_POLICIES = frozenset({"round_robin", "random", "least_loaded"})
 """Policies that ignore ``RouteRequest.block_hashes``; the simulator skips hashing for them."""
 
-_ARRIVAL_KIND, _STEP_END, _STEP_START, _TICK = -1, 0, 1, 2  # heap tie-break order at equal times
+# Heap tie-break order at equal times (arrivals are merged from the sorted list before all of these).
+_ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK = -1, 0, 1, 2, 3
+
+_ROLE_PREFIX = {WorkerRole.aggregated: "worker", WorkerRole.prefill: "prefill", WorkerRole.decode: "decode"}
 
 
 class KvEventHook(Protocol):
@@ -94,7 +137,8 @@ class SimConfig:
     """Simulation settings.
 
     Attributes:
-        workers: aggregated workers at start (>= 1). Defaults to ``8``.
+        workers: aggregated workers at start (>= 0; with ``decode_workers``
+            at least one of the two). Defaults to ``8``.
         policy: routing policy name (:data:`kvflow.router.policies.POLICIES`).
             Defaults to ``"round_robin"``.
         seed: seeds the engines' output tokens. Defaults to ``0``.
@@ -105,6 +149,11 @@ class SimConfig:
             Defaults to ``10000``.
         block_hashes: fill ``RouteRequest.block_hashes`` (costly); None =
             only for policies outside :data:`HASH_FREE_POLICIES`.
+        prefill_workers: prefill-only workers at start (>= 0). Defaults to ``0``.
+        decode_workers: decode workers at start (>= 0). Defaults to ``0``.
+            Either > 0 switches on the disaggregated mode (module docstring).
+        disagg: the conditional-disaggregation thresholds. Defaults to
+            :class:`~kvflow.router.disagg.DisaggConfig` defaults (1000 tokens, queue 2 per worker).
     """
 
     workers: int = 8
@@ -114,6 +163,9 @@ class SimConfig:
     model: str = "mocker"
     sample_interval_ms: float = 10_000.0
     block_hashes: bool | None = None
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 @dataclass
@@ -136,10 +188,33 @@ class SimWorker:
 
 
 @dataclass
+class _Handoff:
+    """A remotely prefilled request between its arrival and its decode worker.
+
+    ``request`` is the decode worker's request (full ``max_tokens``);
+    ``prefill_cached`` the prefill worker's prefix hit (tokens);
+    ``transfer_ms``/``moved_tokens`` the modelled KV transfer.
+    """
+
+    decode_worker_id: str
+    request: GenerateRequest
+    prefill_cached: int = 0
+    transfer_ms: float = 0.0
+    moved_tokens: int = 0
+
+
+@dataclass
 class SimResult:
     """What a simulation produced. ``itl_gaps_ms`` pools every inter-token gap;
     ``profile_s`` splits the run's wall time (routing, engine steps, token
-    delivery, the rest)."""
+    delivery, the rest).
+
+    ``worker_roles`` maps worker id to role (``aggregated``/``prefill``/``decode``);
+    ``prefill_tokens``/``decode_tokens`` are each worker's computed prompt and
+    decode tokens; ``prefill_plans`` counts the disaggregation rule's outcomes
+    (:data:`kvflow.router.disagg.PlanReason`: ``remote``, ``short_prompt``,
+    ``prefill_queue_full``, ``no_prefill_workers``), empty in aggregated mode.
+    """
 
     records: list[RequestRecord]
     itl_gaps_ms: array
@@ -151,6 +226,15 @@ class SimResult:
     stalls: int
     wall_time_s: float
     profile_s: dict[str, float]
+    worker_roles: dict[str, str] = field(default_factory=dict)
+    prefill_tokens: dict[str, int] = field(default_factory=dict)
+    decode_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_plans: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any worker was a prefill or decode worker."""
+        return any(role != WorkerRole.aggregated.value for role in self.worker_roles.values())
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -173,7 +257,7 @@ class Simulation:
 
     Raises:
         KeyError: unknown policy.
-        ValueError: ``config.workers < 1``.
+        ValueError: a negative worker count, or no aggregated and no decode worker.
     """
 
     def __init__(self, trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,
@@ -184,8 +268,14 @@ class Simulation:
         self.config = config = config or SimConfig()
         if config.policy not in POLICIES:
             raise KeyError(f"unknown routing policy {config.policy!r}; known: {sorted(POLICIES)}")
-        if config.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {config.workers}")
+        if min(config.workers, config.prefill_workers, config.decode_workers) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if config.workers + config.decode_workers < 1:
+            raise ValueError(f"workers must be >= 1 (or decode_workers >= 1), got {config.workers}")
+        if config.workers and config.decode_workers:
+            log.warning("%d aggregated workers beside %d decode workers get no requests: the disaggregation "
+                        "rule decodes on the decode pool whenever it has a worker", config.workers,
+                        config.decode_workers)
         self.requests = sorted(trace.requests if isinstance(trace, Trace) else trace, key=lambda r: r.arrival_ms)
         self.mocker_config = replace(config.mocker or MockerConfig(), seed=config.seed)
         self.kv_hook = kv_hook
@@ -212,14 +302,31 @@ class Simulation:
         self._stalls = 0
         self._bar = None
         self._ran = False
+        self._disagg = False  # set when a prefill or decode worker exists
+        self._prefilling: dict[str, _Handoff] = {}  # on a prefill worker's core
+        self._transferring: dict[str, _Handoff] = {}  # KV in flight to the decode worker
+        self._plans: Counter[str] = Counter()
         for _ in range(config.workers):
             self.add_worker()
+        for _ in range(config.prefill_workers):
+            self.add_worker(WorkerRole.prefill)
+        for _ in range(config.decode_workers):
+            self.add_worker(WorkerRole.decode)
 
     # ---- topology (planner / disaggregation hooks use these) ------------
 
     def add_worker(self, role: WorkerRole = WorkerRole.aggregated) -> str:
-        """Start a new worker with an empty cache at the current time; returns its id."""
-        worker_id = f"worker-{len(self.workers):03d}"
+        """Start a new worker of ``role`` with an empty cache at the current time; returns its id.
+
+        Ids are ``worker-NNN`` (aggregated), ``prefill-NNN`` or ``decode-NNN``,
+        numbered per role from 0. A prefill or decode worker switches the
+        simulation to the disaggregated placement rule.
+        """
+        role = WorkerRole(role)
+        n = sum(1 for w in self.workers.values() if w.role == role)
+        worker_id = f"{_ROLE_PREFIX[role]}-{n:03d}"
+        if role != WorkerRole.aggregated:
+            self._disagg = True
         self.workers[worker_id] = SimWorker(worker_id, role, MockerCore(self.mocker_config, worker_id))
         self._heartbeat(self.workers[worker_id])
         return worker_id
@@ -258,7 +365,10 @@ class Simulation:
     def dispatch(self, req: TraceRequest) -> None:
         """Route one arrived request and queue it on the chosen worker (at ``now_ms``).
 
-        Failures (no worker, engine rejection) are recorded on the request.
+        Aggregated: :func:`~kvflow.router.policies.select_worker`. With
+        prefill or decode workers: :func:`kvflow.router.disagg.place`, then
+        the local or remote path of the module docstring. Failures (no
+        worker, engine rejection) are recorded on the request.
         """
         rec = self._records[req.request_id]
         for w in self.workers.values():
@@ -267,6 +377,9 @@ class Simulation:
         route = RouteRequest(request_id=req.request_id, model=self.config.model, isl=req.isl,
                              block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else (),
                              now_ms=int(self.now_ms))
+        if self._disagg:
+            self._dispatch_disagg(req, rec, route, tokens)
+            return
         try:
             decision = select_worker(self.config.policy, route, self.table)
         except NoWorkerAvailable as exc:
@@ -275,16 +388,48 @@ class Simulation:
         note_routed(self.table, decision.worker_id)
         w = self.workers[decision.worker_id]
         rec.worker_id = w.worker_id
+        self._enqueue(w, rec, GenerateRequest(req.request_id, tokens,
+                                              SamplingParams(max_tokens=req.osl, ignore_eos=True)))
+
+    def _dispatch_disagg(self, req: TraceRequest, rec: RequestRecord, route: RouteRequest,
+                         tokens: list[int]) -> None:
+        """Place with the live rule; local → decode worker, remote → prefill worker (max_tokens 1)."""
         try:
-            w.core.add_request(GenerateRequest(req.request_id, tokens,
-                                               SamplingParams(max_tokens=req.osl, ignore_eos=True)))
-        except EngineError as exc:
+            placement = place(self.config.policy, route, self.table, self.config.disagg)
+        except NoWorkerAvailable as exc:
             self._fail(rec, str(exc))
             return
-        w.unstarted.append(req.request_id)
+        plan, decode_id = placement.plan, placement.decision.worker_id
+        self._plans[plan.reason] += 1
+        rec.worker_id = decode_id
+        request = GenerateRequest(req.request_id, tokens, SamplingParams(max_tokens=req.osl, ignore_eos=True))
+        if not plan.remote:
+            note_routed(self.table, decode_id)  # as kvflow.router.disagg.forward counts it
+            self._enqueue(self.workers[decode_id], rec, request)
+            return
+        prefill_id = plan.prefill.worker_id
+        note_routed(self.table, prefill_id)
+        note_routed(self.table, decode_id)
+        rec.prefill_worker_id = prefill_id
+        self._prefilling[req.request_id] = _Handoff(decode_id, request)
+        one = GenerateRequest(req.request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        if not self._enqueue(self.workers[prefill_id], rec, one):
+            del self._prefilling[req.request_id]
+
+    def _enqueue(self, w: SimWorker, rec: RequestRecord, request: GenerateRequest, *,
+                 kv_imported: bool = False) -> bool:
+        """Add ``request`` to ``w``'s core and make sure a step is coming; False (and the
+        record failed) if the engine rejects it."""
+        try:
+            w.core.add_request(request, kv_imported=kv_imported)
+        except EngineError as exc:
+            self._fail(rec, str(exc))
+            return False
+        w.unstarted.append(request.request_id)
         if not w.stepping:
             w.stepping = True
             self._push(self.now_ms, _STEP_START, w.worker_id)
+        return True
 
     def _fail(self, rec: RequestRecord, error: str) -> None:
         rec.error = error
@@ -305,14 +450,20 @@ class Simulation:
         w.pending = res
         unstarted, records, has_seq = w.unstarted, self._records, w.core.pool.has_seq
         while unstarted and (has_seq(unstarted[0]) or unstarted[0] in res.outputs):
-            records[unstarted.popleft()].scheduled_ms = now
+            rec = records[unstarted.popleft()]
+            if rec.scheduled_ms is None:  # a decode worker importing KV does not reschedule it
+                rec.scheduled_ms = now
         self._push(now + res.duration_ms, _STEP_END, w.worker_id)
 
     def _end_step(self, w: SimWorker) -> None:
         now = self.now_ms
         res, w.pending = w.pending, None
         records, last, itl, window = self._records, self._last_token, self._itl, self._window
+        prefilling = self._prefilling
         for rid, out in res.outputs.items():
+            if prefilling and rid in prefilling:
+                self._prefill_done(rid, out)
+                continue
             rec = records[rid]
             n = len(out.token_ids)
             prev = last.get(rid)
@@ -340,6 +491,42 @@ class Simulation:
         if res.kv_events and self.kv_hook is not None:
             self.kv_hook.on_kv_events(w.worker_id, res.kv_events)
         w.stepping = w.core.has_work()
+
+    def _prefill_done(self, rid: str, out: EngineOutput) -> None:
+        """A remote prefill sampled its token: start the KV transfer to the decode worker."""
+        h = self._prefilling.pop(rid)
+        rec = self._records[rid]
+        if out.finish_reason is not FinishReason.length:
+            self._fail(rec, f"prefill finished with {out.finish_reason.value if out.finish_reason else None}")
+            return
+        h.prefill_cached = out.num_cached_tokens
+        decode = self.workers[h.decode_worker_id]
+        cfg = self.mocker_config
+        # Only what the decode worker's prefix cache lacks moves (MockerEngine.generate_from_kv).
+        h.moved_tokens = len(h.request.prompt_token_ids) - decode.core.cached_prompt_tokens(h.request)
+        h.transfer_ms = kv_transfer_time_ms(cfg, h.moved_tokens) / cfg.speedup_ratio
+        self._transferring[rid] = h
+        self._push(self.now_ms + h.transfer_ms, _TRANSFER_END, rid)
+
+    def _end_transfer(self, rid: str) -> None:
+        """The KV arrived: the decode worker delivers the first token and decodes the rest."""
+        h = self._transferring.pop(rid)
+        now, rec = self.now_ms, self._records[rid]
+        rec.first_token_ms = now
+        rec.cached_tokens = h.prefill_cached
+        rec.kv_transfer_ms = h.transfer_ms
+        rec.kv_transfer_tokens = h.moved_tokens
+        rec.output_tokens += 1
+        self._window[0] += rec.isl
+        self._window[1] += h.prefill_cached
+        if h.request.sampling.max_tokens <= 1:
+            rec.last_token_ms = rec.finish_ms = now
+            if self._bar is not None:
+                self._bar.update(1)
+            return
+        self._last_token[rid] = now
+        if not self._enqueue(self.workers[h.decode_worker_id], rec, h.request, kv_imported=True):
+            self._last_token.pop(rid, None)
 
     def _sample(self, t_ms: float, out: list[TimelineSample]) -> None:
         loads, usage = [], []
@@ -404,6 +591,11 @@ class Simulation:
                     self.planner.on_tick(t_next, self)
                     self._push(t_next + self.planner.interval_ms, _TICK, "")
                     continue
+                if kind == _TRANSFER_END:  # the key is a request id here
+                    t0 = pc()
+                    self._end_transfer(worker_id)
+                    prof["delivery"] += pc() - t0
+                    continue
                 w = self.workers[worker_id]
                 t0 = pc()
                 if kind == _STEP_END:
@@ -423,11 +615,16 @@ class Simulation:
                 rec.error = "unfinished: the engine could not schedule it"
         wall = time.perf_counter() - t_wall
         prof["other"] = wall - sum(prof.values())
+        ws = self.workers.values()
         return SimResult(
             records=list(self._records.values()), itl_gaps_ms=self._itl, worker_ids=list(self.workers),
-            busy_ms={w.worker_id: w.busy_ms for w in self.workers.values()}, timeline=timeline,
-            end_ms=self.now_ms, steps=sum(w.steps for w in self.workers.values()), stalls=self._stalls,
+            busy_ms={w.worker_id: w.busy_ms for w in ws}, timeline=timeline,
+            end_ms=self.now_ms, steps=sum(w.steps for w in ws), stalls=self._stalls,
             wall_time_s=wall, profile_s=prof,
+            worker_roles={w.worker_id: w.role.value for w in ws},
+            prefill_tokens={w.worker_id: w.core.prefill_tokens_total for w in ws},
+            decode_tokens={w.worker_id: w.core.decode_tokens_total for w in ws},
+            prefill_plans=dict(self._plans),
         )
 
 
