@@ -23,9 +23,8 @@ from typer.testing import CliRunner
 
 from kvflow.replay.aiperf import aiperf_command, aiperf_env, find_aiperf, make_hf_cache, write_trace_slice
 from kvflow.replay.aiperf_cli import aiperf as aiperf_cmd
-from kvflow.schemas import WorkerRole
-from kvflow.streams.broker import free_port
-from kvflow.supervisor import Supervisor, WorkerSpec
+from kvflow.supervisor import WorkerSpec
+from deployment import running_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_first40min.jsonl"
@@ -172,20 +171,8 @@ async def mocker_deployment(kafka):
     # The mocker tokenizes bytes: a Mooncake prompt of N tokens is ~4.3 N byte tokens.
     settings = settings.model_copy(update={"max_prompt_tokens": 262144})
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "20"])
-    sup = Supervisor(settings, spec, port=free_port())
-    await sup.start()
-    try:
-        for _ in range(2):
-            await sup.start_worker(WorkerRole.aggregated)
-        await sup.wait_workers_ready(2, timeout_s=60)
-        async with httpx.AsyncClient(base_url=sup.url) as http:
-            for _ in range(200):
-                if (await http.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
+    async with running_deployment(settings, spec, workers=2) as sup:
         yield sup
-    finally:
-        await sup.stop()
 
 
 async def test_aiperf_replays_mooncake_slice_against_mocker(mocker_deployment, aiperf_exe, tmp_path):

@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 
-from kvflow.schemas import ChatMessage, SamplingParams, WorkerRole
-from kvflow.streams.broker import free_port
+from kvflow.schemas import ChatMessage, SamplingParams
 from kvflow.streams.client import KvflowClient
-from kvflow.supervisor import Supervisor, WorkerSpec
+from kvflow.supervisor import WorkerSpec
+from deployment import running_deployment
 
 MODEL = "mock-e2e"
 SPEC = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "20", "--num-kv-blocks", "2048",
@@ -21,19 +21,8 @@ SPEC = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "
 @pytest.fixture
 async def deployment(kafka):
     settings, catalog = kafka
-    sup = Supervisor(settings, SPEC, port=free_port())
-    await sup.start()
-    for _ in range(2):
-        await sup.start_worker(WorkerRole.aggregated)
-    await sup.wait_workers_ready(2, timeout_s=60)
-    # the bridge's own projection of the workers topic must have seen them too
-    async with httpx.AsyncClient(base_url=sup.url) as http:
-        for _ in range(200):
-            if (await http.get("/health")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
-    yield sup
-    await sup.stop()
+    async with running_deployment(settings, SPEC, workers=2) as sup:
+        yield sup
 
 
 async def test_openai_client_streaming_and_non_streaming(deployment):
@@ -98,15 +87,9 @@ async def test_http_errors_are_openai_shaped(deployment):
 
 async def test_kafka_native_client_without_bridge(kafka):
     settings, catalog = kafka
-    sup = Supervisor(settings, SPEC, bridge=False)
-    await sup.start()
-    try:
-        await sup.start_worker(WorkerRole.aggregated)
-        await sup.wait_workers_ready(1, timeout_s=60)
+    async with running_deployment(settings, SPEC, workers=1, bridge=False):
         async with KvflowClient(settings, catalog, timeout_s=30) as client:
             final = await client.complete(client.new_request(
                 MODEL, messages=[ChatMessage(role="user", content="no http here")],
                 sampling=SamplingParams(max_tokens=5)))
-        assert final.error is None and final.usage.completion_tokens == 5 and len(final.text) == 5
-    finally:
-        await sup.stop()
+    assert final.error is None and final.usage.completion_tokens == 5 and len(final.text) == 5

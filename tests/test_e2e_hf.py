@@ -6,9 +6,8 @@ import asyncio
 import httpx
 import pytest
 
-from kvflow.schemas import WorkerRole
-from kvflow.streams.broker import free_port
-from kvflow.supervisor import Supervisor, WorkerSpec
+from kvflow.supervisor import WorkerSpec
+from deployment import running_deployment
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,18 +24,9 @@ async def hf_deployment(broker):
     settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True,
                         namespace=f"hf{uuid.uuid4().hex[:8]}", session_timeout_ms=2000)
     await create_topics(settings, Catalog(settings.namespace))
-    sup = Supervisor(settings, WorkerSpec(engine="hf", model=MODEL), port=free_port())
-    await sup.start()
-    for _ in range(2):
-        await sup.start_worker(WorkerRole.aggregated)
-    await sup.wait_workers_ready(2, timeout_s=240)
-    async with httpx.AsyncClient(base_url=sup.url) as http:
-        for _ in range(200):
-            if (await http.get("/health")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
-    yield sup
-    await sup.stop()
+    async with running_deployment(settings, WorkerSpec(engine="hf", model=MODEL), workers=2,
+                                  ready_timeout_s=240) as sup:
+        yield sup
 
 
 async def test_capital_of_france_streams_paris(hf_deployment):

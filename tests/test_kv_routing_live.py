@@ -2,10 +2,8 @@
 a restarted router that rebuilds the same index, and prefix reuse end to end."""
 
 import asyncio
-import uuid
 
 import httpx
-import pytest
 from aiokafka import TopicPartition
 
 from kvflow.router.app import build_router_app
@@ -24,6 +22,7 @@ from kvflow.schemas import (
 from kvflow.streams.broker import free_port
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.supervisor import Supervisor, WorkerSpec
+from deployment import wait_bridge_healthy
 
 BS = 16
 MODEL = "m"
@@ -150,11 +149,8 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka):
         await sup.wait_workers_ready(2, timeout_s=60)
         long_a = "alpha " * 300
         long_b = "bravo " * 300
+        await wait_bridge_healthy(sup.url)
         async with httpx.AsyncClient(base_url=sup.url, timeout=60) as http:
-            for _ in range(200):
-                if (await http.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
 
             def body(text, max_tokens):
                 return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]}
