@@ -113,9 +113,7 @@ class LatencySurface:
             ValueError: the profile has no feasible point at this length.
         """
         conc, lat, thr = self.curve(length)
-        valid = ~np.isnan(lat) & ~np.isnan(thr)
-        if not valid.any():
-            raise ValueError(f"profile has no feasible point at length {length}")
+        valid = _feasible(lat, thr, length)
         ok = valid & (lat <= latency_target_ms)
         if ok.any():
             k = int(np.argmax(np.where(ok, thr, -np.inf)))
@@ -130,9 +128,7 @@ class LatencySurface:
             ValueError: the profile has no feasible point at this length.
         """
         _, lat, thr = self.curve(length)
-        valid = ~np.isnan(lat) & ~np.isnan(thr)
-        if not valid.any():
-            raise ValueError(f"profile has no feasible point at length {length}")
+        valid = _feasible(lat, thr, length)
         return float(thr[valid].max())
 
     def latency_at_throughput(self, length: float, tokens_per_s: float) -> float:
@@ -146,9 +142,7 @@ class LatencySurface:
             ValueError: the profile has no feasible point at this length.
         """
         conc, lat, thr = self.curve(length)
-        valid = ~np.isnan(lat) & ~np.isnan(thr)
-        if not valid.any():
-            raise ValueError(f"profile has no feasible point at length {length}")
+        valid = _feasible(lat, thr, length)
         lat, thr = lat[valid], thr[valid]
         peak = int(np.argmax(thr))
         lat, thr = lat[: peak + 1], thr[: peak + 1]
@@ -178,3 +172,15 @@ class PerfModel:
             prefill=LatencySurface(p.isl, p.concurrency, p.ttft_ms, p.throughput_tokens_per_s, refine),
             decode=LatencySurface(d.context_length, d.concurrency, d.itl_ms, d.throughput_tokens_per_s, refine),
         )
+
+
+def _feasible(lat: np.ndarray, thr: np.ndarray, length: float) -> np.ndarray:
+    """Mask of profile points with both a latency and a throughput.
+
+    Raises:
+        ValueError: no point is feasible at ``length``.
+    """
+    valid = ~np.isnan(lat) & ~np.isnan(thr)
+    if not valid.any():
+        raise ValueError(f"profile has no feasible point at length {length}")
+    return valid

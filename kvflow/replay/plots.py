@@ -69,12 +69,7 @@ def plot_latency_cdfs(samples: Mapping[str, np.ndarray], path: str | Path, title
         ax.set_title(f"{name.upper()} CDF (n={data.size:,})")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_timeline(report: Report, path: str | Path) -> Path:
@@ -107,12 +102,7 @@ def plot_timeline(report: Report, path: str | Path) -> Path:
     ax_load.set_title(f"{report.trace}: load per worker ({report.policy}, {report.workers} workers)")
     ax_kv.set_ylabel("KV blocks used (%)")
     ax_kv.set_xlabel("time (s)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_planner(report: Report, path: str | Path) -> Path:
@@ -169,12 +159,7 @@ def plot_planner(report: Report, path: str | Path) -> Path:
     ax_rep.set_xlabel("time (s)")
     ax_rep.set_ylim(bottom=0)
     ax_rep.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(report: Report, samples: Mapping[str, np.ndarray], out_dir: str | Path) -> list[Path]:
@@ -186,3 +171,13 @@ def write_plots(report: Report, samples: Mapping[str, np.ndarray], out_dir: str 
     if report.planner is not None:
         paths.append(plot_planner(report, out / "planner.png"))
     return paths
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Lay out ``fig``, write it as PNG to ``path`` (parents created), close it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
