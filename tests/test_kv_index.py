@@ -1,4 +1,7 @@
-"""The global KV index: events, event ids, dumps, tiers, prefix matching."""
+"""The global KV index: events, event ids, dumps, tiers, prefix matching.
+
+Every test runs twice: on the compiled block map and on its pure-Python twin.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import random
 import pytest
 
 from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
+from kvflow.router import _blockmap_py
+from kvflow.router import index as index_mod
 from kvflow.router.index import KvIndex
 from kvflow.schemas import (
     AllBlocksCleared,
@@ -18,6 +23,19 @@ from kvflow.schemas import (
 from kvflow.workers.kv.blocks import BlockPool
 
 BS = 4
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def block_map(request, monkeypatch):
+    """Run the test with ``KvIndex``'s default map set to the compiled or the Python one."""
+    if request.param == "compiled":
+        if not index_mod.COMPILED:
+            pytest.skip("kvflow.router._blockmap was not built")
+        from kvflow.router._blockmap import BlockMap
+    else:
+        BlockMap = _blockmap_py.BlockMap
+    monkeypatch.setattr(index_mod, "BlockMap", BlockMap)
+    return BlockMap
 
 
 def batch(worker: str, event_id: int, *events, dump: bool = False, block_size: int = BS) -> KvEventBatch:
@@ -292,3 +310,42 @@ def test_on_kv_events_applies_without_ids():
     idx.on_kv_events("a", [stored(*PROMPT[:3]), removed(PROMPT[2])])
     assert dict(idx.find_matches(PROMPT).device) == {"a": 2}
     assert idx.last_event_id("a") is None
+
+
+def test_more_than_64_workers_span_several_maps_and_slots_are_reused(block_map):
+    idx = KvIndex(BS)
+    for w in range(70):  # two groups of 64 slots
+        idx.store_blocks(f"w{w:02d}", PROMPT[: 1 + w % 10])
+    got = idx.find_matches(PROMPT).device
+    assert got == {f"w{w:02d}": 1 + w % 10 for w in range(70)}
+    assert len(idx._maps) == 2 and all(isinstance(m[0], block_map) for m in idx._maps)
+    idx.remove_worker("w03")
+    idx.remove_worker("w66")
+    assert "w03" not in idx.find_matches(PROMPT).device and "w66" not in idx.find_matches(PROMPT).device
+    idx.store_blocks("new", PROMPT[:2])  # takes the lowest free slot, which held w03: no stale blocks
+    assert idx._slot["new"] == 3
+    assert idx.find_matches(PROMPT).device["new"] == 2 and idx.num_blocks("new") == 2
+    assert idx.held("new") == set(PROMPT[:2]) and idx.held("w66") == set()
+
+
+def test_orphan_blocks_are_held_but_not_counted():
+    idx = KvIndex(BS)
+    idx.store_blocks("a", PROMPT[2:6])  # parent blocks 0..1 never stored
+    assert idx.num_blocks("a") == 4 and idx.find_matches(PROMPT).device == {}
+    idx.store_blocks("a", PROMPT[:2])  # the parents arrive: the whole run counts
+    assert dict(idx.find_matches(PROMPT).device) == {"a": 6}
+
+
+def test_out_of_range_hashes_are_refused_and_change_nothing():
+    idx = KvIndex(BS)
+    idx.store_blocks("a", PROMPT[:3])
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="block hash"):
+            idx.store_blocks("a", [PROMPT[3], bad])
+        with pytest.raises(ValueError, match="block hash"):
+            idx.remove_blocks("a", [PROMPT[0], bad])
+        with pytest.raises(ValueError, match="block hash"):
+            idx.find_matches([PROMPT[0], bad])
+    assert idx.held("a") == set(PROMPT[:3])
+    with pytest.raises(ValueError):  # the schema refuses them before they reach the index
+        stored(2**64)

@@ -4,37 +4,34 @@ The router folds every worker's :class:`~kvflow.schemas.KvEventBatch` into
 one :class:`KvIndex` and asks it, per request, how many leading prompt
 blocks each worker already holds (:meth:`KvIndex.find_matches`).
 
-Design — one hash set per worker and tier, not a radix tree:
+Design — one block map per tier, hash -> bitmask of the workers holding it:
 
 * Block hashes are *sequence* hashes (:mod:`kvflow.router.hashing`): hash
   ``i`` already names blocks ``0..i`` together, so a tree adds nothing to
-  prefix identity, and "does worker ``w`` hold block ``i``" is one set
-  membership test.
-* Events are bulk set operations that run entirely in C: a stored event is
-  ``set.update``, a removed event ``set.difference_update``, ``cleared`` is
-  ``set.clear`` — no per-block Python code and no per-block allocation.
-* :meth:`KvIndex.find_matches` asks each worker holding block 0 for the
-  position of its first missing block, ``operator.indexOf(map(held.__contains__,
-  hashes), False)``: a lazy walk that runs in C and stops at the first miss
-  (prefix semantics). A worker costs one membership test per block of its
-  own matched prefix, plus one.
-* The alternative, one shared ``block hash -> worker bitmask`` map, tests
-  each prompt block once for all workers, so lookups are up to ~1.5x faster
-  when many workers share long prefixes; but every stored or removed block
-  then needs a Python-level read-modify-write, which made events about twice
-  as slow in ``bench/kv_index.py``. Events far outnumber lookups in a live
-  cluster (a batch per engine step per worker, against one lookup per
-  request), so kvflow takes the sets.
-* Measured by ``bench/kv_index.py`` (Mooncake conversation trace, 8
-  workers, one event per call, shared 2-core machine): about 52k events/s
-  and 57k lookups/s, against 33k and 91k for Dynamo 1.6.1's ``RadixTree``
-  Python binding in the same run — 1.6x on events, 0.6x on lookups. Both
-  sides are memory-bound (a cold cache line or two per block); a lookup here
-  pays a Python-level call per worker and, on that workload, walks prefixes
-  that several workers share once per worker.
+  prefix identity; a flat map from block hash to the set of workers holding
+  it answers the same questions as a radix tree, without per-node objects.
+* Each worker gets a slot; 64 slots share one ``BlockMap`` (per tier), whose
+  entries are ``(u64 hash, u64 worker mask)``. The map is the compiled
+  :mod:`kvflow.router._blockmap` (open addressing, linear probing,
+  backward-shift deletion: 16 bytes per cached block, no Python object per
+  block); where it was not built, :mod:`kvflow.router._blockmap_py` behaves
+  the same, slower (:data:`COMPILED` says which one is in use).
+* A stored event sets the worker's bit on each hash, a removed event clears
+  it (dropping the entry when no worker holds the block), ``cleared`` drops
+  the worker's bit everywhere: each a single call into the map per event.
+* :meth:`KvIndex.find_matches` walks the prompt's hashes once for all
+  workers, AND-ing the masks; a worker's overlap is the depth at which its
+  bit drops out, and the walk ends when no bit is left. One probe per block
+  of the longest match, plus one — the work a radix-tree walk does, with
+  one cache line per block.
+* Earlier designs, measured with ``bench/kv_index.py``: one Python ``set``
+  per worker (events fast, but a lookup walks every worker's matched prefix
+  separately, about 0.7x Dynamo's lookups) and a Python ``dict`` of
+  bitmasks (lookups faster, events about 3x slower than the sets). Figures
+  for this design are in ``docs/benchmarks.md``.
 * ``parent_block_hash`` is not needed: the chain is inside the hashes. An
   orphan block (parent never stored or already evicted) is recorded but
-  never counted, since matching stops at the worker's first missing block;
+  never counted, since a worker's match stops at its first missing block;
   if the missing parent is stored again later, the orphan counts again, as
   it would in the engine's own prefix cache.
 * Storing a block a worker already holds is idempotent (set semantics, as an
@@ -64,9 +61,9 @@ order are equal (``==``); see :meth:`KvIndex.snapshot`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import indexOf
 from types import MappingProxyType
 from typing import Any
 
@@ -80,7 +77,16 @@ from kvflow.schemas import (
     KvTier,
 )
 
-__all__ = ["ApplyResult", "BlockSizeMismatch", "KvIndex", "OverlapScores"]
+try:
+    from kvflow.router._blockmap import BlockMap
+    COMPILED = True
+except ImportError:  # no C compiler at install time
+    from kvflow.router._blockmap_py import BlockMap  # type: ignore[assignment]
+    COMPILED = False
+
+__all__ = ["COMPILED", "ApplyResult", "BlockSizeMismatch", "KvIndex", "OverlapScores"]
+
+_SLOTS = 64  # workers per BlockMap (one u64 mask)
 
 _TIERS = (KvTier.device, KvTier.host, KvTier.disk)
 _TIER_POS = {KvTier.device: 0, KvTier.host: 1, KvTier.disk: 2, "device": 0, "host": 1, "disk": 2}
@@ -145,39 +151,60 @@ class KvIndex:
 
     Args:
         block_size: tokens per block of every batch this index accepts (>= 1).
+        block_map: the map type (``BlockMap`` of :mod:`kvflow.router._blockmap`
+            or :mod:`kvflow.router._blockmap_py`); default the compiled one
+            when built.
 
     Raises:
         ValueError: ``block_size < 1``.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, block_map: type | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self._held: dict[str, tuple[set[int], set[int], set[int]]] = {}  # worker -> (device, host, disk) hashes
-        # (worker, its device set's bound __contains__) for the matching walk; built once per worker
-        self._device: list[tuple[str, Callable[[object], bool]]] = []
+        self._map_type = block_map or BlockMap
+        self._slot: dict[str, int] = {}  # worker -> slot (group = slot // 64, bit = slot % 64)
+        self._free: list[int] = []  # released slots, a min-heap (lowest reused first)
+        self._maps: list[tuple[Any, Any, Any]] = []  # per group: (device, host, disk) BlockMaps
+        self._names: list[list[str | None]] = []  # per group: worker id by bit
         self._tiered: set[str] = set()  # workers holding any host or disk block
         self._cursor: dict[str, int] = {}  # worker -> last event id applied
         self._needs_dump: set[str] = set()
 
     # ---- workers ---------------------------------------------------------
 
-    def _sets(self, worker_id: str) -> tuple[set[int], set[int], set[int]]:
-        held = self._held.get(worker_id)
-        if held is None:
-            held = self._held[worker_id] = (set(), set(), set())
-            self._device.append((worker_id, held[0].__contains__))
-        return held
+    def _where(self, worker_id: str) -> tuple[tuple[Any, Any, Any], int]:
+        """The worker's group maps and bit, allocating a slot for a new worker."""
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            slot = heapq.heappop(self._free) if self._free else len(self._slot)
+            self._slot[worker_id] = slot
+            group, bit = divmod(slot, _SLOTS)
+            if group == len(self._maps):
+                new = self._map_type
+                self._maps.append((new(), new(), new()))
+                self._names.append([None] * _SLOTS)
+            self._names[group][bit] = worker_id
+        group, bit = divmod(slot, _SLOTS)
+        return self._maps[group], bit
 
     def workers(self) -> list[str]:
         """Workers the index knows (from any batch or event), sorted."""
-        return sorted(self._held)
+        return sorted(self._slot)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget ``worker_id``: its blocks, event cursor and dump request. No-op if unknown."""
-        if self._held.pop(worker_id, None) is not None:
-            self._device = [p for p in self._device if p[0] != worker_id]
+        """Forget ``worker_id``: its blocks, event cursor and dump request. No-op if unknown.
+
+        O(blocks in the worker's group): its bit is cleared in every entry.
+        """
+        slot = self._slot.pop(worker_id, None)
+        if slot is not None:
+            group, bit = divmod(slot, _SLOTS)
+            for m in self._maps[group]:
+                m.clear(bit)
+            self._names[group][bit] = None
+            heapq.heappush(self._free, slot)
         self._tiered.discard(worker_id)
         self._cursor.pop(worker_id, None)
         self._needs_dump.discard(worker_id)
@@ -192,8 +219,17 @@ class KvIndex:
 
     def num_blocks(self, worker_id: str, tier: KvTier | str = KvTier.device) -> int:
         """Blocks ``worker_id`` holds in ``tier`` (0 if unknown)."""
-        held = self._held.get(worker_id)
-        return len(held[_TIER_POS[tier]]) if held is not None else 0
+        if worker_id not in self._slot:
+            return 0
+        maps, bit = self._where(worker_id)
+        return maps[_TIER_POS[tier]].count(bit)
+
+    def held(self, worker_id: str, tier: KvTier | str = KvTier.device) -> set[int]:
+        """The block hashes ``worker_id`` holds in ``tier`` (empty if unknown). O(blocks in its group)."""
+        if worker_id not in self._slot:
+            return set()
+        maps, bit = self._where(worker_id)
+        return set(maps[_TIER_POS[tier]].hashes(bit))
 
     # ---- events ----------------------------------------------------------
 
@@ -239,36 +275,46 @@ class KvIndex:
         self._apply_events(worker_id, events)
 
     def store_blocks(self, worker_id: str, block_hashes: Iterable[int], tier: KvTier | str = KvTier.device) -> None:
-        """Record that ``worker_id`` now holds ``block_hashes`` in ``tier`` (idempotent)."""
+        """Record that ``worker_id`` now holds ``block_hashes`` in ``tier`` (idempotent).
+
+        Raises:
+            ValueError: a hash outside [0, 2**64).
+        """
         pos = _TIER_POS[tier]
-        self._sets(worker_id)[pos].update(block_hashes)
+        maps, bit = self._where(worker_id)
+        maps[pos].store(bit, block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes))
         if pos:
             self._tiered.add(worker_id)
 
     def remove_blocks(self, worker_id: str, block_hashes: Iterable[int], tier: KvTier | str = KvTier.device) -> None:
-        """Record that ``worker_id`` no longer holds ``block_hashes`` in ``tier`` (unknown ones ignored)."""
-        held = self._held.get(worker_id)
-        if held is None:
+        """Record that ``worker_id`` no longer holds ``block_hashes`` in ``tier`` (unknown ones ignored).
+
+        Raises:
+            ValueError: a hash outside [0, 2**64).
+        """
+        if worker_id not in self._slot:
             return
         pos = _TIER_POS[tier]
-        held[pos].difference_update(block_hashes)
-        if pos and not held[1] and not held[2]:
+        maps, bit = self._where(worker_id)
+        maps[pos].remove(bit, block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes))
+        if pos and not maps[1].count(bit) and not maps[2].count(bit):
             self._tiered.discard(worker_id)
 
     def _apply_events(self, worker_id: str, events: Iterable[KvEvent]) -> int:
-        held = self._sets(worker_id)
+        maps, bit = self._where(worker_id)
+        device = maps[0]
         n = 0
         for ev in events:
             n += 1
             kind = type(ev)
             if kind is BlockStored:
                 if ev.tier is _DEVICE:  # the hot path
-                    held[0].update(ev.block_hashes)
+                    device.store(bit, ev.block_hashes)
                 else:
                     self.store_blocks(worker_id, ev.block_hashes, ev.tier)
             elif kind is BlockRemoved:
                 if ev.tier is _DEVICE:
-                    held[0].difference_update(ev.block_hashes)
+                    device.remove(bit, ev.block_hashes)
                 else:
                     self.remove_blocks(worker_id, ev.block_hashes, ev.tier)
             elif kind is AllBlocksCleared:
@@ -279,8 +325,9 @@ class KvIndex:
 
     def _clear(self, worker_id: str) -> None:
         """Drop every block of ``worker_id`` (all tiers), keeping the worker known."""
-        for s in self._sets(worker_id):
-            s.clear()
+        maps, bit = self._where(worker_id)
+        for m in maps:
+            m.clear(bit)
         self._tiered.discard(worker_id)
 
     # ---- queries ---------------------------------------------------------
@@ -291,31 +338,41 @@ class KvIndex:
         Args:
             block_hashes: the prompt's chained sequence hashes, block 0 first
                 (:func:`kvflow.router.hashing.compute_block_hashes` at this
-                index's block size).
+                index's block size); a list or tuple is used as is.
 
         Returns:
             :class:`OverlapScores`; a worker's count stops at its first
             block held in no tier.
-        """
-        if self._tiered:
-            return self._match_tiers(block_hashes)
-        return OverlapScores(_match_device(self._device, block_hashes))
 
-    def _match_tiers(self, block_hashes: Sequence[int]) -> OverlapScores:
+        Raises:
+            ValueError: a hash outside [0, 2**64).
+        """
+        if not isinstance(block_hashes, (list, tuple)):
+            block_hashes = list(block_hashes)
+        device: dict[str, int] = {}
+        if not self._tiered:
+            for maps, names in zip(self._maps, self._names):
+                maps[0].match(block_hashes, names, device)
+            return OverlapScores(device)
+        return self._match_tiers(block_hashes, device)
+
+    def _match_tiers(self, block_hashes: Sequence[int], device: dict[str, int]) -> OverlapScores:
         """Prefix lengths over all tiers, each block credited to its fastest tier."""
         tiered = self._tiered
-        device = _match_device([p for p in self._device if p[0] not in tiered], block_hashes)
+        for maps, names in zip(self._maps, self._names):
+            maps[0].match(block_hashes, [None if n in tiered else n for n in names], device)
         off_host: dict[str, int] = {}
         off_disk: dict[str, int] = {}
         for worker_id in sorted(tiered):
-            dev, host, disk = self._held[worker_id]
+            (dev, host, disk), bit = self._where(worker_id)
+            b = 1 << bit
             on_dev = on_host = on_disk = 0
             for h in block_hashes:
-                if h in dev:
+                if dev.get(h) & b:
                     on_dev += 1
-                elif h in host:
+                elif host.get(h) & b:
                     on_host += 1
-                elif h in disk:
+                elif disk.get(h) & b:
                     on_disk += 1
                 else:
                     break
@@ -334,43 +391,19 @@ class KvIndex:
 
         ``{"block_size": int, "needs_dump": [ids], "workers": {id: {"event_id":
         int | None, "device": [sorted hashes], "host": [...], "disk": [...]}}}``.
-        O(blocks · log blocks).
+        Independent of slot assignment. O(blocks · log blocks).
         """
-        return {
-            "block_size": self.block_size,
-            "needs_dump": sorted(self._needs_dump),
-            "workers": {
-                w: {"event_id": self._cursor.get(w), **{t.value: sorted(held[i]) for i, t in enumerate(_TIERS)}}
-                for w, held in sorted(self._held.items())
-            },
-        }
+        workers = {}
+        for w in sorted(self._slot):
+            maps, bit = self._where(w)
+            workers[w] = {"event_id": self._cursor.get(w),
+                          **{t.value: sorted(maps[i].hashes(bit)) for i, t in enumerate(_TIERS)}}
+        return {"block_size": self.block_size, "needs_dump": sorted(self._needs_dump), "workers": workers}
 
     def __eq__(self, other: object) -> bool:
-        """Same block size, workers, blocks per tier, cursors and pending dumps."""
+        """Same block size, workers, blocks per tier, cursors and pending dumps (slots may differ)."""
         if not isinstance(other, KvIndex):
             return NotImplemented
-        return (self.block_size == other.block_size and self._held == other._held
-                and self._cursor == other._cursor and self._needs_dump == other._needs_dump)
+        return self.snapshot() == other.snapshot()
 
     __hash__ = None  # type: ignore[assignment]  # mutable
-
-
-def _match_device(pairs: list[tuple[str, Callable[[object], bool]]], block_hashes: Sequence[int]) -> dict[str, int]:
-    """Per-worker count of leading ``block_hashes`` in each worker's set (workers with 0 omitted).
-
-    ``pairs`` holds each worker's ``set.__contains__``. For each worker
-    holding block 0, ``indexOf(map(contains, hashes), False)`` finds its
-    first missing block lazily and entirely in C: one membership test per
-    block of that worker's matched prefix, plus one.
-    """
-    out: dict[str, int] = {}
-    if not block_hashes:
-        return out
-    first = block_hashes[0]
-    for worker_id, contains in pairs:
-        if contains(first):
-            try:
-                out[worker_id] = indexOf(map(contains, block_hashes), False)
-            except ValueError:  # every block held
-                out[worker_id] = len(block_hashes)
-    return out

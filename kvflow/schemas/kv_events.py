@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.schemas.base import Record
 
-__all__ = ["KvTier", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvDumpRequest"]
+__all__ = ["KvTier", "BlockHash", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvDumpRequest"]
 
 
 class KvTier(str, Enum):
@@ -26,13 +26,17 @@ class KvTier(str, Enum):
     disk = "disk"
 
 
+BlockHash = Annotated[int, Field(ge=0, lt=2**64)]
+"""A chained sequence block hash: XXH3-64, so an unsigned 64-bit int (:mod:`kvflow.router.hashing`)."""
+
+
 class BlockStored(BaseModel):
     """Blocks now cached, in sequence order, continuing from ``parent_block_hash``."""
 
     model_config = ConfigDict(frozen=True)
     type: Literal["stored"] = "stored"
-    parent_block_hash: int | None = None
-    block_hashes: list[int]
+    parent_block_hash: BlockHash | None = None
+    block_hashes: list[BlockHash]
     tier: KvTier = KvTier.device
     lora_name: str | None = None
 
@@ -42,7 +46,7 @@ class BlockRemoved(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     type: Literal["removed"] = "removed"
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     tier: KvTier = KvTier.device
 
 
