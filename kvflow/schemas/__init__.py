@@ -6,6 +6,7 @@ frozen pydantic model with a ``schema_version``; :func:`encode` and
 """
 
 from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
+from kvflow.schemas.control import CancelReason, CancelRequest
 from kvflow.schemas.dead_letter import DeadLetter
 from kvflow.schemas.kv_events import (
     AllBlocksCleared,
@@ -38,7 +39,8 @@ from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "ChatMessage", "DeadLetter", "ErrorInfo",
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "ChatMessage",
+    "DeadLetter", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "KvDumpRequest", "KvEvent", "KvEventBatch",
     "KvTier", "MetricRecord", "Record", "RecordError", "ReplyTo", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.schemas import (
+    CancelRequest,
     DeadLetter,
     InferenceRequest,
     KvDumpRequest,
@@ -97,6 +98,17 @@ class Catalog:
                 producers=("bridge", "worker"), consumers=("planner-sink",),
                 description="per-request and per-worker metrics",
             ),
+            # Every worker reads the whole cancels topic with its own consumer
+            # (no group) and ignores ids it does not hold: the producer cannot
+            # know the holder (the router chose it, and a disaggregated request
+            # moves from a prefill to a decode worker). One partition is
+            # enough at one record per cancelled request. Cancels matter only
+            # while their request lives, hence the short retention.
+            "cancels": spec(
+                "cancels", partitions=1, key="request_id", value_schema=CancelRequest,
+                retention_ms=3600 * 1000, producers=("bridge", "client"), consumers=("worker",),
+                description="asks the worker holding a request to abort it (client gone or cancelled)",
+            ),
             "scaling": spec(
                 "scaling", partitions=1, key="pool", value_schema=ScalingCommand,
                 producers=("planner",), consumers=("connector",),
@@ -148,6 +160,11 @@ class Catalog:
     def metrics(self) -> TopicSpec:
         """Metric records."""
         return self.topics["metrics"]
+
+    @property
+    def cancels(self) -> TopicSpec:
+        """Request cancellations."""
+        return self.topics["cancels"]
 
     @property
     def scaling(self) -> TopicSpec:

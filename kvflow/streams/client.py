@@ -3,6 +3,7 @@
 No HTTP involved. The client owns one partition ("slot") of the responses
 topic, which it names as ``reply_to`` on every request it sends; workers
 write that request's token deltas and final response there.
+:meth:`KvflowClient.cancel` asks the workers to abort a request (cancels topic).
 
 Example::
 
@@ -24,6 +25,8 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from kvflow.schemas import (
+    CancelReason,
+    CancelRequest,
     ChatMessage,
     FinalResponse,
     InferenceRequest,
@@ -141,6 +144,25 @@ class KvflowClient:
         """
         await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
                                            key=(key or request.request_id).encode())
+
+    async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_cancelled, *,
+                     requested_by: str | None = None) -> None:
+        """Ask the workers to abort ``request_id`` (one :class:`CancelRequest`
+        on the cancels topic, waiting for the broker's ack).
+
+        The worker holding the request frees its KV blocks and sends a final
+        response with ``finish_reason`` ``abort``, so a :meth:`stream` of the
+        request still ends with a :class:`FinalResponse`. Cancelling an unknown
+        or finished request changes nothing. ``requested_by`` defaults to
+        ``client:<slot>``.
+
+        Raises:
+            pydantic.ValidationError: ``request_id`` is empty or over 256 characters.
+            aiokafka.errors.KafkaError: the broker did not take the record.
+        """
+        record = CancelRequest(request_id=request_id, reason=reason, ts_ms=now_ms(),
+                               requested_by=requested_by or f"client:{self.slot}")
+        await self._producer.send_and_wait(self.catalog.cancels.name, encode(record), key=request_id.encode())
 
     async def stream(self, request: InferenceRequest, *, key: str | None = None,
                      ) -> AsyncIterator[TokenDelta | FinalResponse]:

@@ -12,6 +12,16 @@ Delivery: a queue record's offset is committed once its request has been
 handed to the engine, so a crash loses at most the requests in flight
 (at-most-once); a drain loses none (see :meth:`Worker.drain`).
 
+Cancellation: the worker reads the whole cancels topic (every worker does;
+see :class:`~kvflow.streams.catalog.Catalog`). A cancel for a request it
+holds aborts it in the engine (KV blocks freed) and the request ends with a
+final response whose ``finish_reason`` is ``abort``; a cancel for an id it
+does not hold is remembered for a while (:data:`CANCELS_REMEMBERED`), so a
+request that reaches this worker after its cancel (a cancel overtaking the
+router, or a disaggregated request forwarded from its prefill worker) is
+answered with ``abort`` at once. Malformed cancels are dead-lettered by
+each worker that reads them.
+
 Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
 (:mod:`kvflow.schemas.transfer`) takes the prefill or decode path of
 :mod:`kvflow.workers.disagg`; every other record is served aggregated. The
@@ -28,6 +38,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +46,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from kvflow.schemas import (
+    CancelRequest,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -63,9 +75,15 @@ from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, Gener
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.stops import StopChecker
 
-__all__ = ["WorkerConfig", "Worker"]
+__all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED"]
 
 log = logging.getLogger(__name__)
+
+CANCELS_REMEMBERED = 4096
+"""Cancels of requests not (yet) held that a worker remembers, oldest dropped
+first. Every worker keeps every such cancel of the deployment; at 100
+cancels/s this covers the last ~40 s, far longer than a request takes to
+reach its worker (milliseconds), at ~100 bytes each."""
 
 
 @dataclass
@@ -94,6 +112,7 @@ class _Inflight:
     request: InferenceRequest
     task: asyncio.Task
     received_ms: int
+    cancel: CancelRequest | None = None  # set once a cancel for this request arrived
 
 
 class Worker:
@@ -121,6 +140,9 @@ class Worker:
         self.kv_pending: list[KvEvent] = []
         self.kv_wakeup = asyncio.Event()
         self.served = 0
+        self.aborted = 0  # requests ended because of a cancel record
+        # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
+        self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._last_tokens = (time.monotonic(), 0, 0)
@@ -141,17 +163,21 @@ class Worker:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
         await self.control.start()
-        dump_tp = TopicPartition(self.catalog.kv_dump_requests.name, 0)
-        self.control.assign([dump_tp])
-        await self.control.seek_to_end(dump_tp)
-        await self.control.position(dump_tp)
+        # Control topics are read whole (no group) from their current end:
+        # older dump requests and cancels are for requests this new worker never held.
+        control_tps = [TopicPartition(self.catalog.kv_dump_requests.name, 0)] + [
+            TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions)]
+        self.control.assign(control_tps)
+        await self.control.seek_to_end(*control_tps)
+        for tp in control_tps:
+            await self.control.position(tp)
         if self.config.role is not WorkerRole.aggregated and hasattr(type(self.engine), "kv_layout"):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._kv_publisher(), name="kv-events"),
-            asyncio.create_task(self._dump_listener(), name="kv-dump"),
+            asyncio.create_task(self._control_listener(), name="control"),
         ]
         log.info("worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model, *self.queue_tp)
 
@@ -225,8 +251,11 @@ class Worker:
                     continue
                 if request.request_id in self.inflight:
                     continue  # duplicate delivery of a request already being served
+                early = self.early_cancels.pop(request.request_id, None)
+                if early is not None:
+                    self.aborted += 1  # its cancel overtook it; _serve answers abort at once
                 task = asyncio.create_task(self._serve(request), name=f"req-{request.request_id}")
-                self.inflight[request.request_id] = _Inflight(request, task, now_ms())
+                self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
             if records:
                 await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
 
@@ -257,6 +286,9 @@ class Worker:
     async def _serve(self, request: InferenceRequest) -> None:
         received = now_ms()
         try:
+            if self.is_cancelled(request.request_id):
+                await self._send(request, self._aborted(request, received))
+                return
             await self._generate(request, received)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
@@ -265,13 +297,55 @@ class Worker:
                                                       "worker_stopped"))
             raise
         except EngineError as exc:
-            await self._send(request, self._error(request, str(exc), 400, "engine_rejected"))
+            if self.is_cancelled(request.request_id):  # e.g. a prefill ended by the cancel's engine abort
+                await self._send(request, self._aborted(request, received))
+            else:
+                await self._send(request, self._error(request, str(exc), 400, "engine_rejected"))
         except Exception as exc:  # noqa: BLE001 - report, never let one request kill the worker
             log.exception("request %s failed", request.request_id)
             await self._send(request, self._error(request, f"internal error: {exc!r}", 500, "worker_error"))
         finally:
             self.inflight.pop(request.request_id, None)
             self.served += 1
+
+    def _aborted(self, request: InferenceRequest, received_ms: int) -> FinalResponse:
+        return FinalResponse(request_id=request.request_id, finish_reason=FinishReason.abort,
+                             worker_id=self.config.worker_id, routing=request.routing,
+                             timings=Timings(queued_ms=received_ms, finished_ms=now_ms()))
+
+    def is_cancelled(self, request_id: str) -> bool:
+        """Whether a cancel arrived for ``request_id`` while this worker holds it."""
+        item = self.inflight.get(request_id)
+        return item is not None and item.cancel is not None
+
+    async def cancel(self, record: CancelRequest) -> bool:
+        """Apply one cancel record: abort ``record.request_id`` if this worker holds it.
+
+        A held request (waiting or running in the engine, or not yet handed
+        to it) is aborted in the engine, which frees its KV blocks; its
+        stream then ends with a final response of ``finish_reason`` ``abort``
+        (:meth:`stream_outputs`, or :meth:`_serve` before the engine has it).
+        Returns True when it aborted a held request; False when the request
+        is not held here (the cancel is remembered, see
+        :data:`CANCELS_REMEMBERED`) or was already cancelled.
+        """
+        rid = record.request_id
+        item = self.inflight.get(rid)
+        if item is None:
+            self.early_cancels[rid] = record
+            self.early_cancels.move_to_end(rid)
+            while len(self.early_cancels) > CANCELS_REMEMBERED:
+                self.early_cancels.popitem(last=False)
+            return False
+        if item.cancel is not None:
+            return False
+        item.cancel = record
+        self.aborted += 1
+        log.info("aborting %s: %s by %s", rid, record.reason.value, record.requested_by)
+        # A no-op if the engine has not seen the request yet; the flag set
+        # above then ends it at its first output (stream_outputs) or before it starts (_serve).
+        await self.engine.abort(rid)
+        return True
 
     def _error(self, request: InferenceRequest, message: str, status: int, code: str) -> FinalResponse:
         return FinalResponse(
@@ -353,6 +427,13 @@ class Worker:
                     finish = FinishReason.stop
                 elif out.finish_reason is not None:
                     finish = out.finish_reason
+                    text += stops.flush() + detok.flush()
+                elif self.is_cancelled(request.request_id):
+                    # The cancel came before the engine knew the request (its
+                    # abort was a no-op) or while this output was queued.
+                    await self.engine.abort(request.request_id)
+                    finish = FinishReason.abort
+                    stopped = True
                     text += stops.flush() + detok.flush()
                 if text or out.token_ids:
                     text_parts.append(text)
@@ -438,17 +519,33 @@ class Worker:
             self.kv_wakeup.clear()
             await self._flush_kv_events()
 
-    async def _dump_listener(self) -> None:
+    async def _control_listener(self) -> None:
         while True:
-            batches = await self.control.getmany(timeout_ms=500)
+            try:
+                batches = await self.control.getmany(timeout_ms=500)
+            except Exception:  # noqa: BLE001 - keep listening through transient broker errors
+                log.exception("control consumer failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
             for records in batches.values():
                 for msg in records:
                     try:
-                        req = decode(KvDumpRequest, msg.value)
-                    except RecordError:
-                        continue
-                    if req.worker_id == self.config.worker_id:
-                        await self._publish_dump()
+                        await self._on_control(msg)
+                    except Exception:  # noqa: BLE001 - one record must not stop cancels and dumps
+                        log.exception("control record %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
+
+    async def _on_control(self, msg: Any) -> None:
+        if msg.topic == self.catalog.cancels.name:
+            record = await self.dlq.decode(CancelRequest, msg)
+            if record is not None:
+                await self.cancel(record)
+            return
+        try:
+            req = decode(KvDumpRequest, msg.value)
+        except RecordError:
+            return
+        if req.worker_id == self.config.worker_id:
+            await self._publish_dump()
 
     async def _publish_dump(self) -> None:
         dump_fn = getattr(self.engine, "dump_kv_events", None)
@@ -460,6 +557,6 @@ class Worker:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly status dict (for logs and tests)."""
         return {"worker_id": self.config.worker_id, "status": self.status.value, "inflight": len(self.inflight),
-                "served": self.served, "dead_letters": self.dlq.count}
+                "served": self.served, "aborted": self.aborted, "dead_letters": self.dlq.count}
 
 

@@ -3,13 +3,15 @@
 One :func:`kafka_bridge_state` context builds a :class:`BridgeState` whose
 response source is a started :class:`KvflowClient` (it owns one responses
 partition), whose worker projection follows the workers topic from its
-beginning, and whose ``RequestMetrics`` go to the metrics topic.
+beginning, whose ``RequestMetrics`` go to the metrics topic, and whose
+cancels of disconnected requests go to the cancels topic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -65,7 +67,9 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
 
         log.info("bridge connected: responses slot %d, %d heartbeats replayed, models %s",
                  client.slot, seen, registry.models())
-        yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish)
+        cancel = functools.partial(client.cancel, requested_by=f"bridge:{client.slot}")
+        yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish,
+                          cancel=cancel)
 
 
 async def _cancel(task: asyncio.Task) -> None:

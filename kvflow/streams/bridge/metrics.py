@@ -15,7 +15,9 @@ prefill worker (``kvflow_prefill_remote_total``), every other one on the
 worker that decoded it (``kvflow_prefill_local_total``); the transfer's size
 and duration feed two histograms. :meth:`BridgeMetrics.track_workers` adds a
 scrape-time gauge of the prefill pool's queue depth from the bridge's worker
-registry.
+registry. ``kvflow_bridge_cancels_total`` counts the cancel records sent for
+requests whose client disconnected before the final response
+(:mod:`kvflow.streams.bridge.disconnect`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class BridgeMetrics:
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.osl = Histogram("kvflow_bridge_osl_tokens", "Output sequence length.", ["model"],
                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.cancels = Counter("kvflow_bridge_cancels",
+                               "Cancel records published for requests whose client left before the final "
+                               "response (result: sent, failed).", ["endpoint", "result"], registry=r)
         self.prefill_remote = Counter("kvflow_prefill_remote", "Requests whose prefill ran on a prefill worker.",
                                       ["model"], registry=r)
         self.prefill_local = Counter("kvflow_prefill_local", "Requests prefilled by the worker that decoded them.",

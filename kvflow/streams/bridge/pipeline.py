@@ -10,8 +10,11 @@ Waiting for the first record before answering means failures that happen
 before any token (a worker error, a timeout) get their real HTTP status
 instead of a 200 followed by an error event.
 
-If the client disconnects mid-stream the bridge stops reading the request's
-records; the worker still finishes the request (no abort record is sent yet).
+If the client disconnects before the final record (while the bridge waits
+for it, or mid-stream) the bridge stops reading the request's records,
+answers 499 in its metrics and publishes one cancel record, so the worker
+aborts the request and frees its KV blocks
+(:mod:`kvflow.streams.bridge.disconnect`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from fastapi import Request, Response
 from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, RequestKind, TokenDelta, now_ms
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
 from kvflow.streams.bridge.body import read_body
+from kvflow.streams.bridge.disconnect import ClientDisconnected, cancel_upstream, unless_disconnected
 from kvflow.streams.bridge.errors import (
     BridgeError,
     error_response,
@@ -177,6 +181,17 @@ async def _close(*gens: Any) -> None:
             await gen.aclose()
 
 
+async def _wait_records(state: BridgeState, p: Prepared, events: Events,
+                        observer: RequestObserver) -> TokenDelta | FinalResponse:
+    """The first record (streaming) or the final record (otherwise), observing each."""
+    record = await _next_record(events, state, p.request.request_id)
+    observer.on_event(record)
+    while not p.body.stream and not isinstance(record, FinalResponse):
+        record = await _next_record(events, state, p.request.request_id)
+        observer.on_event(record)
+    return record
+
+
 def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, events: Events,
             observer: RequestObserver) -> Response:
     stream_error: list[BridgeError] = []
@@ -209,9 +224,12 @@ def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, 
 
     async def on_close() -> None:
         # Runs after completion and after a disconnect: releases the
-        # response-source subscription and counts an unfinished stream as 499.
+        # response-source subscription; an unfinished stream counts as 499
+        # and, unless it failed on the pipeline's side, is cancelled upstream.
         await _close(stream_body, sse, recs, events)
         observer.finish(STATUS_CLIENT_CLOSED)
+        if observer.final is None and not stream_error:
+            await cancel_upstream(state.cancel, state.metrics, observer.endpoint, p.request.request_id)
 
     return EventStreamResponse(stream_body, on_close, headers={"X-Request-Id": p.request.request_id})
 
@@ -230,21 +248,23 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
         request_id = p.request.request_id
         observer.submitted(request_id, p.body.model, len(p.request.token_ids or ()))
         events = state.source.stream(p.request)
-        record = await _next_record(events, state, request_id)
-        observer.on_event(record)
+        record = await unless_disconnected(http_request, _wait_records(state, p, events, observer))
         if isinstance(record, FinalResponse) and record.error is not None:
             raise from_error_info(record.error)
         if p.body.stream:
             return _stream(state, p, record, events, observer)
-        while not isinstance(record, FinalResponse):
-            record = await _next_record(events, state, request_id)
-            observer.on_event(record)
-        if record.error is not None:
-            raise from_error_info(record.error)
+        assert isinstance(record, FinalResponse)
         await _close(events)
         obj = chat_completion(record, p.meta) if kind is RequestKind.chat else text_completion(record, p.meta, p.echo_text)
         observer.finish(200)
         return Response(obj.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
+    except ClientDisconnected:
+        # Nobody reads the answer: stop waiting, and stop the worker (once:
+        # this path returns before a stream, whose on_close would cancel, exists).
+        observer.finish(STATUS_CLIENT_CLOSED)
+        await _close(events)
+        await cancel_upstream(state.cancel, state.metrics, observer.endpoint, request_id)
+        return Response(status_code=STATUS_CLIENT_CLOSED)
     except BridgeError as err:
         observer.finish(err.status)
         if events is not None:

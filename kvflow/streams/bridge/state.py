@@ -9,13 +9,13 @@ can be mounted over any :class:`ResponseSource` (in production a started
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import Request
 
-from kvflow.schemas import FinalResponse, InferenceRequest, ReplyTo, RequestMetrics, TokenDelta
+from kvflow.schemas import CancelReason, FinalResponse, InferenceRequest, ReplyTo, RequestMetrics, TokenDelta
 from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import BridgeMetrics
 from kvflow.streams.bridge.tokenizers import TokenizerCache
@@ -57,7 +57,9 @@ class BridgeState:
     """Everything a bridge route needs (stored on ``app.state.bridge``).
 
     ``publish_metrics`` takes each finished request's
-    :class:`RequestMetrics` (None: not published). ``max_body_bytes`` bounds
+    :class:`RequestMetrics` (None: not published). ``cancel`` publishes a
+    cancel record for a request whose client disconnected before its final
+    response (None: the worker finishes such requests). ``max_body_bytes`` bounds
     the request body (HTTP 413 above); ``retry_after_s`` is the
     ``Retry-After`` of 503 answers, one worker TTL by default: by then a
     starting worker has registered or a dead one has been expired.
@@ -69,6 +71,7 @@ class BridgeState:
     tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
     metrics: BridgeMetrics = field(default_factory=BridgeMetrics)
     publish_metrics: Callable[[RequestMetrics], None] | None = None
+    cancel: Callable[[str, CancelReason], Awaitable[None]] | None = None
     max_body_bytes: int = 0
     retry_after_s: float = 0.0
 
