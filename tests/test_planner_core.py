@@ -160,6 +160,19 @@ def test_decode_correction_tightens_itl_goal(perf):
     assert fx.target(D) == 20  # goal 25 ms admits only 1 seq/replica: 2000 / 100
 
 
+def test_correction_smoothing_averages_intervals(perf):
+    # Same interval as above (expected TTFT 225 ms). Observed 450 -> raw factor 2; with weight 0.25 the
+    # factor moves a quarter of the way from 1: 1.25, then 1.4375 after a second identical interval.
+    state = initial_state(cfg(correction_smoothing=0.25), perf)
+    tick = TickInput(now_ms=1, traffic=traffic(15, ttft=450), current_replicas={P: 1, D: 2})
+    state, fx = on_tick(state, tick)
+    assert fx.prefill_correction == pytest.approx(1.25)
+    state, fx = on_tick(state, tick)
+    assert fx.prefill_correction == pytest.approx(1.4375)
+    with pytest.raises(ValueError, match="correction_smoothing"):
+        cfg(correction_smoothing=0.0)
+
+
 def test_corrections_are_clamped_and_skip_overloaded_replicas(perf):
     state = initial_state(cfg(correction_max=3.0), perf)
     _, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(5, ttft=10_000), current_replicas={P: 1, D: 1}))

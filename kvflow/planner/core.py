@@ -14,8 +14,9 @@ Per tick, for each pool:
    the expected latency is what the profile predicts at the per-replica load
    just served (prefill: TTFT at ``rate * effective ISL / replicas`` tokens/s;
    decode: ITL at ``rate * OSL / replicas`` tokens/s). It captures what the
-   profile misses (queueing, interference, a slower machine) and is clamped to
-   ``[correction_min, correction_max]``. Without traffic, or when a replica
+   profile misses (queueing, interference, a slower machine), is optionally
+   smoothed over intervals (``correction_smoothing``, an exponential moving
+   average) and is clamped to ``[correction_min, correction_max]``. Without traffic, or when a replica
    was loaded past the profile's peak throughput (its latency then measures
    its queue), the last factor stays.
 3. **Size.** Predict next interval's rate, ISL and OSL; divide the latency
@@ -95,6 +96,12 @@ class PlannerConfig:
             Default 0.5 and 4.0.
         aggregated_sizing: ``"max"`` or ``"sum"`` of prefill and decode needs
             in aggregated mode (see module docstring). Defaults to ``"max"``.
+        correction_smoothing: weight in (0, 1] of the newest interval's
+            correction in an exponential moving average of the factors
+            (``c = w * observed + (1 - w) * c``); 1 uses each interval's factor
+            as is. Short intervals hold few requests, so their mean latency is
+            noisy; smoothing keeps one noisy interval from resizing the pool.
+            Defaults to 1.
     """
 
     ttft_ms: float = 500.0
@@ -114,6 +121,7 @@ class PlannerConfig:
     correction_min: float = 0.5
     correction_max: float = 4.0
     aggregated_sizing: str = "max"
+    correction_smoothing: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlannerMode(self.mode))
@@ -130,6 +138,8 @@ class PlannerConfig:
             problems.append("scale_down_hold_intervals must be >= 1")
         if not (0 < self.correction_min <= 1 <= self.correction_max):
             problems.append("need 0 < correction_min <= 1 <= correction_max")
+        if not 0 < self.correction_smoothing <= 1:
+            problems.append("correction_smoothing must be in (0, 1]")
         if self.aggregated_sizing not in ("max", "sum"):
             problems.append("aggregated_sizing must be 'max' or 'sum'")
         floor_gpus = sum(self.min_replicas(p) * self.gpus_per_replica(p) for p in self.pools)
@@ -322,7 +332,8 @@ def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float
     if load_tokens_per_s > surface.max_throughput(length):
         return previous
     expected = surface.latency_at_throughput(length, load_tokens_per_s)
-    return _clamp(observed_ms / expected, cfg.correction_min, cfg.correction_max)
+    w = cfg.correction_smoothing
+    return _clamp(w * (observed_ms / expected) + (1.0 - w) * previous, cfg.correction_min, cfg.correction_max)
 
 
 def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:
