@@ -41,7 +41,8 @@ reports prefix hit rate, TTFT p50/p99 and TPOT p99 of each (a few minutes).
 events. ``approx`` expires predictions by ``RouteRequest.now_ms``; where the
 simulator does not set it, only its per-worker capacity bound applies.
 
-    python bench/kv_index.py [--limit N] [--repeat 5] [--assign prefix] [--dynamo-python PATH] [--routing]
+    python bench/kv_index.py [--limit N] [--repeat 5] [--assign prefix] [--block-map python]
+                             [--dynamo-python PATH] [--routing]
 
 Last stdout line: one JSON object with the figures.
 
@@ -157,10 +158,11 @@ class KvflowRunner:
     side does the same.
     """
 
-    def __init__(self, ops: list[tuple], block_size: int) -> None:
+    def __init__(self, ops: list[tuple], block_size: int, block_map: str = "default") -> None:
         from kvflow.schemas import BlockRemoved, BlockStored, KvEventBatch, encode
 
         self.block_size = block_size
+        self.block_map = block_map
         self.items: list[tuple[str, bytes | str]] = []
         names = [f"worker-{i}" for i in range(64)]
         next_id: dict[int, int] = {}
@@ -184,7 +186,12 @@ class KvflowRunner:
         from kvflow.router.index import KvIndex
         from kvflow.schemas import KvEventBatch, decode
 
-        index = KvIndex(self.block_size)
+        if self.block_map == "python":
+            from kvflow.router._blockmap_py import BlockMap
+
+            index = KvIndex(self.block_size, block_map=BlockMap)
+        else:
+            index = KvIndex(self.block_size)
         apply, find, loads, pc = index.apply, index.find_matches, json.loads, time.perf_counter
         t_ev: list[float] = []
         t_dec: list[float] = []
@@ -316,7 +323,7 @@ def _elementwise_min(best: list[list[float]] | None, new: tuple[list[float], ...
     return [list(map(min, a, b)) for a, b in zip(best, new)]
 
 
-def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str) -> dict:
+def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str, block_map: str = "default") -> dict:
     """Alternate kvflow and Dynamo passes ``repeat`` times and summarise both.
 
     The machine may be shared, so every operation's time is the fastest of
@@ -326,7 +333,7 @@ def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str) 
     """
     import gc
 
-    kv = KvflowRunner(ops, block_size)
+    kv = KvflowRunner(ops, block_size, block_map)
     dyn, dyn_err = None, None
     kv_min = dyn_min = None
     kv_pass = [float("inf")] * 3
@@ -419,6 +426,12 @@ def run_routing(trace: Path, policies: list[str]) -> dict:
     return out
 
 
+def _compiled() -> bool:
+    from kvflow.router.index import COMPILED
+
+    return COMPILED
+
+
 def main() -> None:
     """Parse arguments, run both indexes (and optionally routing), print the JSON line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -431,6 +444,8 @@ def main() -> None:
     ap.add_argument("--assign", choices=["round_robin", "prefix"], default="round_robin",
                     help="how requests are spread over workers")
     ap.add_argument("--dynamo-python", default=DEFAULT_DYNAMO_PYTHON)
+    ap.add_argument("--block-map", choices=["default", "python"], default="default",
+                    help="python: time the pure-Python block map (the fallback without the compiled one)")
     ap.add_argument("--routing", action="store_true", help="also replay kv/approx/round_robin/random")
     ap.add_argument("--dynamo-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -443,7 +458,8 @@ def main() -> None:
         "bench": "kv_index", "trace": trace.name, "assign": args.assign, "workers": args.workers,
         "capacity_blocks": args.capacity,
         "block_size": args.block_size, "repeat": args.repeat, "workload": wl["stats"],
-        **compare(wl["ops"], args.block_size, args.repeat, args.dynamo_python),
+        "block_map": args.block_map if args.block_map == "python" else ("compiled" if _compiled() else "python"),
+        **compare(wl["ops"], args.block_size, args.repeat, args.dynamo_python, args.block_map),
     }
     if args.routing:
         result["routing"] = run_routing(trace, ["kv", "approx", "round_robin", "random"])
