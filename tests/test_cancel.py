@@ -28,9 +28,11 @@ from kvflow.schemas import (
     DeadLetter,
     FinalResponse,
     FinishReason,
+    MetricRecord,
     ResponseEvent,
     SamplingParams,
     TokenDelta,
+    WorkerMetrics,
     decode,
 )
 from kvflow.streams.bridge import build_app
@@ -126,6 +128,32 @@ async def read_dead_letters(settings, catalog, count: int, timeout_s: float = 10
             for msg in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
                 found.append(decode(DeadLetter, msg.value))
         return found
+    finally:
+        await consumer.stop()
+
+
+async def aborted_in_metrics(settings, catalog, worker_id: str, timeout_s: float = 10.0) -> int:
+    """Sum of ``aborted_requests`` over ``worker_id``'s WorkerMetrics records, read from the topic's
+    beginning until it is positive (or ``timeout_s`` passes) and then one more snapshot period."""
+    consumer = make_consumer(settings)
+    await consumer.start()
+    total, settle_until = 0, None
+    try:
+        tps = [TopicPartition(catalog.metrics.name, p) for p in range(catalog.metrics.partitions)]
+        consumer.assign(tps)
+        for tp in tps:
+            await consumer.seek_to_beginning(tp)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < (settle_until or deadline):
+            for msgs in (await consumer.getmany(*tps, timeout_ms=200)).values():
+                for msg in msgs:
+                    rec = decode(MetricRecord, msg.value)
+                    if isinstance(rec, WorkerMetrics) and rec.worker_id == worker_id:
+                        total += rec.aborted_requests
+            if total and settle_until is None:
+                settle_until = loop.time() + 2.5  # a later snapshot must not count it again
+        return total
     finally:
         await consumer.stop()
 
@@ -228,7 +256,7 @@ async def test_finished_requests_send_no_cancel(cluster, bridge):
 
 
 async def test_client_cancel_of_an_inflight_request_ends_it_with_abort(cluster, waiter):
-    _, _, workers, client = cluster
+    settings, catalog, workers, client = cluster
     req = client.new_request(MODEL, prompt="a long story", sampling=SamplingParams(max_tokens=LONG))
     events: list[TokenDelta | FinalResponse] = []
     async with contextlib.aclosing(client.stream(req)) as stream:
@@ -247,6 +275,8 @@ async def test_client_cancel_of_an_inflight_request_ends_it_with_abort(cluster, 
     await waiter(lambda: req.request_id in other.early_cancels)  # the other worker read it and let it be
     assert other.aborted == 0
     await assert_engines_idle(workers, waiter)
+    # the worker's metrics snapshots on the metrics topic report the abort (once)
+    assert await aborted_in_metrics(settings, catalog, owner.config.worker_id) == 1
 
 
 async def test_cancel_that_overtakes_its_request_aborts_it_on_arrival(cluster, waiter):

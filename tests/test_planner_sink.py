@@ -61,7 +61,7 @@ def test_kafka_table_engine_is_refused():
 
 
 def test_schema_is_idempotent_mergetree_ordered_by_worker_and_time(ch):
-    assert len(ensure_schema(ch)) == 2  # second run: IF NOT EXISTS, no error
+    assert len(ensure_schema(ch)) == 3  # second run: IF NOT EXISTS everywhere, no error
     rows = ch.query("SELECT name, engine, sorting_key FROM system.tables "
                     "WHERE database = currentDatabase() ORDER BY name").result_rows
     assert rows == [("request_metrics", "MergeTree", "worker_id, ts"), ("worker_metrics", "MergeTree", "worker_id, ts")]
@@ -161,3 +161,23 @@ def test_bulk_insert_is_one_columnar_batch(ch):
     assert MetricsSink(ch).write(rows) == n
     total, isl_sum = ch.query("SELECT count(), sum(isl) FROM request_metrics").result_rows[0]
     assert (total, isl_sum) == (n, sum(i % 1000 for i in range(n)))
+
+
+def test_schema_upgrades_a_worker_table_made_before_aborted_requests(tmp_path):
+    client = open_client(data_dir=tmp_path / "old")
+    try:
+        client.command("CREATE TABLE worker_metrics (ts DateTime64(3, 'UTC'), worker_id LowCardinality(String), "
+                       "role LowCardinality(String), active_requests Int32, waiting_requests Int32, "
+                       "kv_used_blocks Int32, kv_total_blocks Int32, queue_depth Int32, "
+                       "prefill_tokens_per_s Float64, decode_tokens_per_s Float64, inserted_at DateTime DEFAULT now()) "
+                       "ENGINE = MergeTree ORDER BY (worker_id, ts)")
+        client.command("INSERT INTO worker_metrics (ts, worker_id, role, active_requests, waiting_requests, "
+                       "kv_used_blocks, kv_total_blocks, queue_depth, prefill_tokens_per_s, decode_tokens_per_s) "
+                       "VALUES (now64(3), 'old', 'decode', 1, 0, 1, 10, 0, 0, 0)")
+        ensure_schema(client)
+        snapshot = snap(0, "w1", 1, 10).model_copy(update={"aborted_requests": 2})
+        MetricsSink(client).write([snapshot])
+        rows = client.query("SELECT worker_id, aborted_requests FROM worker_metrics ORDER BY worker_id").result_rows
+        assert rows == [("old", 0), ("w1", 2)]
+    finally:
+        client.close()

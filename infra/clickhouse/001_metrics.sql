@@ -44,8 +44,12 @@ CREATE TABLE IF NOT EXISTS worker_metrics
     queue_depth          Int32,
     prefill_tokens_per_s Float64,
     decode_tokens_per_s  Float64,
+    aborted_requests     Int32 DEFAULT 0 COMMENT 'requests aborted on a cancel since the previous snapshot',
     inserted_at          DateTime DEFAULT now()
 )
 ENGINE = MergeTree
 ORDER BY (worker_id, ts)
 TTL inserted_at + INTERVAL 7 DAY;
+
+-- tables created before aborted_requests existed
+ALTER TABLE worker_metrics ADD COLUMN IF NOT EXISTS aborted_requests Int32 DEFAULT 0 AFTER decode_tokens_per_s;

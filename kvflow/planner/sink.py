@@ -60,6 +60,7 @@ _WORKER_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
     ("queue_depth", "queue_depth", pa.int32()),
     ("prefill_tokens_per_s", "prefill_tokens_per_s", pa.float64()),
     ("decode_tokens_per_s", "decode_tokens_per_s", pa.float64()),
+    ("aborted_requests", "aborted_requests", pa.int32()),
 )
 
 

@@ -50,6 +50,8 @@ class WorkerMetrics(Record):
     queue_depth: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    aborted_requests: int = Field(default=0, ge=0)
+    """Requests this worker aborted on a cancel record since its previous snapshot."""
 
 
 MetricRecord = Annotated[Union[RequestMetrics, WorkerMetrics], Field(discriminator="type")]

@@ -141,6 +141,7 @@ class Worker:
         self.kv_wakeup = asyncio.Event()
         self.served = 0
         self.aborted = 0  # requests ended because of a cancel record
+        self._aborted_reported = 0  # self.aborted at the last metrics snapshot
         # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
         self._stop = asyncio.Event()
@@ -491,12 +492,14 @@ class Worker:
         t1 = time.monotonic()
         dt = max(t1 - t0, 1e-6)
         self._last_tokens = (t1, stats.prefill_tokens_total, stats.decode_tokens_total)
+        aborted, self._aborted_reported = self.aborted - self._aborted_reported, self.aborted
         return WorkerMetrics(
             ts_ms=now_ms(), worker_id=self.config.worker_id, role=self.config.role.value,
             active_requests=stats.active_requests, waiting_requests=stats.waiting_requests,
             kv_used_blocks=stats.used_blocks, kv_total_blocks=stats.total_blocks, queue_depth=len(self.inflight),
             prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
             decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
+            aborted_requests=aborted,
         )
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:
