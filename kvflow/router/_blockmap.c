@@ -144,6 +144,22 @@ static int parse_bit(PyObject *obj, int *bit) {
     return 0;
 }
 
+/* Parse ``(bit, hashes)`` and check every hash, so a mutation that follows is all
+   or nothing. Returns a new reference to the hashes as a fast sequence, or
+   NULL with an exception set. */
+static PyObject *bit_and_hashes(PyObject *args, const char *format, int *bit) {
+    PyObject *bit_obj, *seq;
+    if (!PyArg_ParseTuple(args, format, &bit_obj, &seq)) return NULL;
+    if (parse_bit(bit_obj, bit) < 0) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "hashes must be a sequence");
+    if (!fast) return NULL;
+    if (validate_keys(PySequence_Fast_ITEMS(fast), PySequence_Fast_GET_SIZE(fast)) < 0) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    return fast;
+}
+
 static PyObject *bm_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, ":BlockMap", kwlist)) return NULL;
@@ -169,18 +185,11 @@ PyDoc_STRVAR(store_doc,
 "hash out of range, and then changes nothing.");
 
 static PyObject *bm_store(BlockMap *m, PyObject *args) {
-    PyObject *bit_obj, *seq;
     int bit;
-    if (!PyArg_ParseTuple(args, "OO:store", &bit_obj, &seq)) return NULL;
-    if (parse_bit(bit_obj, &bit) < 0) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "hashes must be a sequence");
+    PyObject *fast = bit_and_hashes(args, "OO:store", &bit);
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    if (validate_keys(items, n) < 0) {
-        Py_DECREF(fast);
-        return NULL;
-    }
     uint64_t bitmask = (uint64_t)1 << bit;
     Py_ssize_t added = 0;
     uint64_t keys[CHUNK];
@@ -240,18 +249,11 @@ PyDoc_STRVAR(remove_doc,
 "changes nothing.");
 
 static PyObject *bm_remove(BlockMap *m, PyObject *args) {
-    PyObject *bit_obj, *seq;
     int bit;
-    if (!PyArg_ParseTuple(args, "OO:remove", &bit_obj, &seq)) return NULL;
-    if (parse_bit(bit_obj, &bit) < 0) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "hashes must be a sequence");
+    PyObject *fast = bit_and_hashes(args, "OO:remove", &bit);
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    if (validate_keys(items, n) < 0) {
-        Py_DECREF(fast);
-        return NULL;
-    }
     uint64_t bitmask = (uint64_t)1 << bit;
     Py_ssize_t removed = 0;
     uint64_t tmask = m->cap - 1;

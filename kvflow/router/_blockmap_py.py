@@ -19,6 +19,14 @@ def _key(h: object) -> int:
     return h
 
 
+def _checked(bit: int, hashes: Sequence[int]) -> int:
+    """``bit``'s mask, after checking the slot and every hash (so a change is all or nothing)."""
+    b = _bit(bit)
+    for h in hashes:
+        _key(h)
+    return b
+
+
 def _bit(bit: int) -> int:
     if not 0 <= bit <= 63:
         raise ValueError(f"worker bit must be in [0, 63], got {bit}")
@@ -43,9 +51,7 @@ class BlockMap:
 
         Raises ValueError (changing nothing) for a bad slot or hash.
         """
-        b = _bit(bit)
-        for h in hashes:
-            _key(h)
+        b = _checked(bit, hashes)
         masks = self._masks
         added = 0
         for h in hashes:
@@ -61,9 +67,7 @@ class BlockMap:
 
         Raises ValueError (changing nothing) for a bad slot or hash.
         """
-        b = _bit(bit)
-        for h in hashes:
-            _key(h)
+        b = _checked(bit, hashes)
         masks = self._masks
         removed = 0
         for h in hashes:
