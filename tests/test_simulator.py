@@ -205,6 +205,19 @@ def test_planner_hook_can_add_workers(tmp_path):
         "latency_cdf.png", "timeline.png"]
 
 
+def test_a_started_worker_takes_requests_only_after_its_startup_time():
+    # added at the 1000 ms tick, ready at 1000 + 1500 = 2500 ms: requests at 1200..2400 ms stay on worker-000
+    planner = AddOneWorker()
+    reqs = [req(i, i * 400.0, 100, 2) for i in range(12)]
+    res = simulate(reqs, SimConfig(workers=1, policy="round_robin", mocker=cfg(), worker_startup_ms=1500.0),
+                   planner=planner)
+    starting = {r.worker_id for r in res.records if r.arrival_ms < 2500.0}
+    ready = [r.worker_id for r in res.records if r.arrival_ms >= 2500.0]
+    assert starting == {"worker-000"} and "worker-001" in ready and all(r.ok for r in res.records)
+    with pytest.raises(ValueError, match="worker_startup_ms"):
+        SimConfig(worker_startup_ms=-1.0)
+
+
 def test_a_simulation_runs_once():
     sim = Simulation([req(0, 0.0, 100, 2)], SimConfig(workers=1, mocker=cfg()))
     sim.run()

@@ -66,6 +66,8 @@ def replay(
         help="planner: mean ITL it plans for, ms (default: the SLA threshold; lower buys tail headroom)")] = None,
     predictor: Annotated[str, typer.Option(help="planner: constant | arima | kalman | prophet")] = "constant",
     adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
+    worker_startup_s: Annotated[float, typer.Option(
+        min=0, help="offline: simulated seconds a worker the planner starts needs before it takes requests")] = 0.0,
     scale_down_hold_intervals: Annotated[int, typer.Option(
         min=1, help="planner: intervals a lower need must last before scaling down")] = 3,
     min_workers: Annotated[int, typer.Option(min=1, help="planner: fewest workers")] = 1,
@@ -110,6 +112,7 @@ def replay(
             report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate,
                                  mocker_config=MockerConfig(speedup_ratio=speedup_ratio),
                                  prefill_workers=prefill_workers, decode_workers=decode_workers, disagg=disagg,
+                                 worker_startup_ms=worker_startup_s * 1000.0,
                                  **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc

@@ -71,6 +71,7 @@ def run_offline(
     prefill_workers: int = 0,
     decode_workers: int = 0,
     disagg: DisaggConfig | None = None,
+    worker_startup_ms: float = 0.0,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -108,6 +109,8 @@ def run_offline(
             on the decode pool); beside prefill workers only, they are the
             decode targets.
         disagg: the rule's thresholds (default :class:`DisaggConfig`).
+        worker_startup_ms: simulated ms before a worker the planner starts
+            takes requests (its replica-hours count from its start).
 
     Returns:
         The :class:`Report`.
@@ -125,7 +128,7 @@ def run_offline(
     disagg = disagg or DisaggConfig()
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
                        sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
-                       decode_workers=decode_workers, disagg=disagg)
+                       decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms)
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")

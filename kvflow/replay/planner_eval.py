@@ -574,7 +574,7 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
     settings = {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(planner_config).items()}
     settings |= {"predictor_kwargs": dict(planner_config.predictor_kwargs), "initial_replicas": sim_config.workers,
                  "profile": profile_kind, "profile_osl": profile.engine_config.get("osl"),
-                 "speedup_ratio": mocker.speedup_ratio}
+                 "speedup_ratio": mocker.speedup_ratio, "worker_startup_ms": sim_config.worker_startup_ms}
     summary = PlannerSummary(
         settings=settings, sla_target=sla_target, ticks=run.hook.ticks,
         replicas=replica_steps(run.lifetimes, run.hook.drained_ms), max_replicas=max_replicas,

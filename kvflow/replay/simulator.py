@@ -111,7 +111,7 @@ HASH_FREE_POLICIES = frozenset({"round_robin", "random", "least_loaded"})
 """Policies that ignore ``RouteRequest.block_hashes``; the simulator skips hashing for them."""
 
 # Heap tie-break order at equal times (arrivals are merged from the sorted list before all of these).
-_ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK = -1, 0, 1, 2, 3
+_ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK, _READY = -1, 0, 1, 2, 3, 4
 
 _ROLE_PREFIX = {WorkerRole.aggregated: "worker", WorkerRole.prefill: "prefill", WorkerRole.decode: "decode"}
 
@@ -154,6 +154,10 @@ class SimConfig:
             Either > 0 switches on the disaggregated mode (module docstring).
         disagg: the conditional-disaggregation thresholds. Defaults to
             :class:`~kvflow.router.disagg.DisaggConfig` defaults (1000 tokens, queue 2 per worker).
+        worker_startup_ms: simulated ms from :meth:`Simulation.add_worker`
+            until the new worker registers and takes requests (a real
+            replica loads its model first); the workers present at start are
+            ready at once. Defaults to ``0``.
     """
 
     workers: int = 8
@@ -166,6 +170,11 @@ class SimConfig:
     prefill_workers: int = 0
     decode_workers: int = 0
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    worker_startup_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.worker_startup_ms < 0:
+            raise ValueError(f"worker_startup_ms must be >= 0, got {self.worker_startup_ms}")
 
 
 @dataclass
@@ -185,6 +194,7 @@ class SimWorker:
     unstarted: deque[str] = field(default_factory=deque)
     draining: bool = False
     steps: int = 0
+    ready_ms: float = 0.0  # registers with the router (takes requests) from then on
 
 
 @dataclass
@@ -307,18 +317,18 @@ class Simulation:
         self._transferring: dict[str, _Handoff] = {}  # KV in flight to the decode worker
         self._plans: Counter[str] = Counter()
         for _ in range(config.workers):
-            self.add_worker()
+            self.add_worker(startup_ms=0.0)
         for _ in range(config.prefill_workers):
-            self.add_worker(WorkerRole.prefill)
+            self.add_worker(WorkerRole.prefill, startup_ms=0.0)
         for _ in range(config.decode_workers):
-            self.add_worker(WorkerRole.decode)
+            self.add_worker(WorkerRole.decode, startup_ms=0.0)
 
     # ---- topology (planner / disaggregation hooks use these) ------------
 
-    def add_worker(self, role: WorkerRole = WorkerRole.aggregated) -> str:
+    def add_worker(self, role: WorkerRole = WorkerRole.aggregated, startup_ms: float | None = None) -> str:
         """Start a new worker of ``role`` with an empty cache at the current time; returns its id.
 
-        Ids are ``worker-NNN`` (aggregated), ``prefill-NNN`` or ``decode-NNN``,
+        It takes requests after ``startup_ms`` (default ``config.worker_startup_ms``). Ids are ``worker-NNN`` (aggregated), ``prefill-NNN`` or ``decode-NNN``,
         numbered per role from 0. A prefill or decode worker switches the
         simulation to the disaggregated placement rule.
         """
@@ -327,8 +337,13 @@ class Simulation:
         worker_id = f"{_ROLE_PREFIX[role]}-{n:03d}"
         if role != WorkerRole.aggregated:
             self._disagg = True
-        self.workers[worker_id] = SimWorker(worker_id, role, MockerCore(self.mocker_config, worker_id))
-        self._heartbeat(self.workers[worker_id])
+        w = self.workers[worker_id] = SimWorker(worker_id, role, MockerCore(self.mocker_config, worker_id),
+                                                ready_ms=self.now_ms + (self.config.worker_startup_ms
+                                                                        if startup_ms is None else startup_ms))
+        if w.ready_ms > self.now_ms:
+            self._push(w.ready_ms, _READY, worker_id)
+        else:
+            self._heartbeat(w)
         return worker_id
 
     def drain_worker(self, worker_id: str) -> None:
@@ -342,7 +357,10 @@ class Simulation:
         self._heartbeat(w)
 
     def _heartbeat(self, w: SimWorker) -> None:
-        """Refresh the routing table's view of ``w`` from its engine, as a heartbeat would."""
+        """Refresh the routing table's view of ``w`` from its engine, as a heartbeat would
+        (nothing while it is still starting)."""
+        if w.ready_ms > self.now_ms:
+            return
         s = w.core.stats()
         apply_heartbeat(self.table, WorkerHeartbeat(
             worker_id=w.worker_id, role=w.role, status=WorkerStatus.draining if w.draining else WorkerStatus.serving,
@@ -590,6 +608,9 @@ class Simulation:
                 if kind == _TICK:
                     self.planner.on_tick(t_next, self)
                     self._push(t_next + self.planner.interval_ms, _TICK, "")
+                    continue
+                if kind == _READY:
+                    self._heartbeat(self.workers[worker_id])
                     continue
                 if kind == _TRANSFER_END:  # the key is a request id here
                     t0 = pc()
