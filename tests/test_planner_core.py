@@ -160,6 +160,18 @@ def test_decode_correction_tightens_itl_goal(perf):
     assert fx.target(D) == 20  # goal 25 ms admits only 1 seq/replica: 2000 / 100
 
 
+def test_unreachable_goal_grows_the_pool_in_bounded_steps(perf):
+    # expected ITL 28 ms at 1000 tok/s per decode replica; observed 112 -> correction 4 -> goal 30/4 = 7.5 ms,
+    # below the profile's 10 ms floor: its 1-seq point (100 tok/s) would need 2000/100 = 20 replicas at once
+    tick = TickInput(now_ms=1, traffic=traffic(10, itl=112), current_replicas={P: 1, D: 2})
+    _, fx = on_tick(initial_state(cfg(itl_ms=30, max_gpus=64), perf), tick)
+    d = {x.pool: x for x in fx.decisions}[D]
+    assert fx.decode_correction == 4.0 and not d.point.meets_target
+    assert (d.needed_replicas, d.target_replicas) == (20, 4) and "unreachable" in d.reason
+    _, fx = on_tick(initial_state(cfg(itl_ms=30, max_gpus=64, max_scale_up_factor=None), perf), tick)
+    assert fx.target(D) == 20
+
+
 def test_correction_smoothing_averages_intervals(perf):
     # Same interval as above (expected TTFT 225 ms). Observed 450 -> raw factor 2; with weight 0.25 the
     # factor moves a quarter of the way from 1: 1.25, then 1.4375 after a second identical interval.

@@ -34,7 +34,8 @@ Per tick, for each pool:
      when a replica's time is strictly shared between the two phases.
 
 4. **Bound.** Raise to the pool's minimum; apply anti-flapping: scale **up**
-   at once; scale **down** only after the need stayed below the current
+   at once (by at most ``max_scale_up_factor`` per tick when the corrected
+   goal is below the profile's reach); scale **down** only after the need stayed below the current
    target for ``scale_down_hold_intervals`` consecutive ticks, then to the
    highest need seen in that run. Finally fit the GPU budget
    (``max_gpus``, each replica costing ``<pool>_gpus_per_replica``): while over
@@ -102,6 +103,14 @@ class PlannerConfig:
             as is. Short intervals hold few requests, so their mean latency is
             noisy; smoothing keeps one noisy interval from resizing the pool.
             Defaults to 1.
+        max_scale_up_factor: when the corrected latency goal is below what
+            the profile can reach at any concurrency, one tick raises the
+            pool's target to at most ``max(previous + 1, ceil(previous *
+            factor))`` (>= 1; None: no cap). The profile then answers with its
+            lowest-concurrency point, i.e. far more replicas than the load
+            needs when the correction was measured on briefly overloaded
+            replicas; growing in bounded steps lets the next interval measure
+            the bigger pool first. Reachable goals scale up at once. Defaults to 2.
     """
 
     ttft_ms: float = 500.0
@@ -122,6 +131,7 @@ class PlannerConfig:
     correction_max: float = 4.0
     aggregated_sizing: str = "max"
     correction_smoothing: float = 1.0
+    max_scale_up_factor: float | None = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlannerMode(self.mode))
@@ -138,6 +148,8 @@ class PlannerConfig:
             problems.append("scale_down_hold_intervals must be >= 1")
         if not (0 < self.correction_min <= 1 <= self.correction_max):
             problems.append("need 0 < correction_min <= 1 <= correction_max")
+        if self.max_scale_up_factor is not None and not self.max_scale_up_factor >= 1:
+            problems.append("max_scale_up_factor must be >= 1 (or None)")
         if not 0 < self.correction_smoothing <= 1:
             problems.append("correction_smoothing must be in (0, 1]")
         if self.aggregated_sizing not in ("max", "sum"):
@@ -193,12 +205,19 @@ class TickInput:
     """What the adapter hands the core each tick.
 
     ``now_ms``: tick time, epoch ms (wall or simulated clock).
-    ``current_replicas``: replicas per pool now running (a missing pool counts 0).
+    ``current_replicas``: replicas per pool now running, including ones still
+    starting (a missing pool counts 0); scaling decisions start from these.
+    ``serving_replicas``: replicas per pool that took requests during the
+    interval just observed (None: the same as ``current_replicas``). The
+    correction factors divide the observed load by these: a replica still
+    loading its model served nothing, and counting it would make the
+    observed latency look like a profile error and over-correct.
     """
 
     now_ms: int
     traffic: TrafficObservation
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
+    serving_replicas: Mapping[WorkerRole, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -343,8 +362,9 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
     if t.num_requests == 0 or not t.mean_isl:
         return p_corr, d_corr
     agg = cfg.mode is PlannerMode.aggregated
-    n_p = tick.current_replicas.get(WorkerRole.aggregated if agg else WorkerRole.prefill, 0)
-    n_d = tick.current_replicas.get(WorkerRole.aggregated if agg else WorkerRole.decode, 0)
+    served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
+    n_p = served.get(WorkerRole.aggregated if agg else WorkerRole.prefill, 0)
+    n_d = served.get(WorkerRole.aggregated if agg else WorkerRole.decode, 0)
     rate = t.request_rate_per_s
     eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
     if t.mean_ttft_ms is not None and n_p > 0:
@@ -409,10 +429,15 @@ def _pool_needs(cfg: PlannerConfig, prefill: _Need, decode: _Need) -> dict[Worke
         f"prefill: {prefill.note}; decode: {decode.note}")}
 
 
-def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...]) -> tuple[int, tuple[int, ...], str]:
-    """Anti-flapping: up at once, down after ``scale_down_hold_intervals`` lower ticks."""
+def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
+          reachable: bool = True) -> tuple[int, tuple[int, ...], str]:
+    """Anti-flapping: up at once (for an unreachable goal at most ``max_scale_up_factor``
+    per tick), down after ``scale_down_hold_intervals`` lower ticks."""
     if need > previous:
-        return need, (), f"scale up {previous} -> {need}"
+        f = cfg.max_scale_up_factor
+        step = need if reachable or f is None else min(need, max(previous + 1, math.ceil(previous * f - _EPS)))
+        capped = f" (need {need} for an unreachable goal; at most x{f:g} per tick)" if step < need else ""
+        return step, (), f"scale up {previous} -> {step}{capped}"
     if need == previous:
         return need, (), f"hold at {need}"
     run = run + (need,)
@@ -465,7 +490,9 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         current = int(tick.current_replicas.get(pool, 0))
         raw[pool] = max(cfg.min_replicas(pool), _ceil(needs[pool].replicas))
         previous = state.targets.get(pool, current)
-        held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()))
+        point = needs[pool].point
+        held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()),
+                                                    reachable=point is None or point.meets_target)
     targets = _fit_budget(cfg, held)
 
     decisions = []

@@ -200,8 +200,10 @@ class SlaPlannerHook:
         # oldest first: ids are numbered in start order
         serving = sorted((w.worker_id for w in sim.workers.values() if w.role == self.role and not w.draining),
                          key=lambda wid: (len(wid), wid))
+        ready = sum(1 for wid in serving if sim.workers[wid].ready_ms <= now_ms)
         self.state, effects = on_tick(self.state, TickInput(
-            now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)}))
+            now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)},
+            serving_replicas={self.role: ready}))
         decision = effects.decisions[0]
         for _ in range(decision.target_replicas - len(serving)):
             self.started_ms[sim.add_worker(self.role)] = now_ms
