@@ -34,8 +34,8 @@ Per tick, for each pool:
      when a replica's time is strictly shared between the two phases.
 
 4. **Bound.** Raise to the pool's minimum; apply anti-flapping: scale **up**
-   at once (by at most ``max_scale_up_factor`` per tick when the corrected
-   goal is below the profile's reach); scale **down** only after the need stayed below the current
+   at once to the need without corrections, and beyond it by at most
+   ``max_scale_up_factor`` per tick; scale **down** only after the need stayed below the current
    target for ``scale_down_hold_intervals`` consecutive ticks, then to the
    highest need seen in that run. Finally fit the GPU budget
    (``max_gpus``, each replica costing ``<pool>_gpus_per_replica``): while over
@@ -103,14 +103,15 @@ class PlannerConfig:
             as is. Short intervals hold few requests, so their mean latency is
             noisy; smoothing keeps one noisy interval from resizing the pool.
             Defaults to 1.
-        max_scale_up_factor: when the corrected latency goal is below what
-            the profile can reach at any concurrency, one tick raises the
-            pool's target to at most ``max(previous + 1, ceil(previous *
-            factor))`` (>= 1; None: no cap). The profile then answers with its
-            lowest-concurrency point, i.e. far more replicas than the load
-            needs when the correction was measured on briefly overloaded
-            replicas; growing in bounded steps lets the next interval measure
-            the bigger pool first. Reachable goals scale up at once. Defaults to 2.
+        max_scale_up_factor: growth beyond the need computed *without*
+            correction factors is limited to ``max(previous + 1,
+            ceil(previous * factor))`` per tick (>= 1; None: no cap); growth
+            the predicted demand alone calls for happens at once. A
+            correction measured on briefly overloaded replicas (a burst, or
+            new replicas still loading) mostly measures their queue; near the
+            profile's latency floor it multiplies the need many times over.
+            Growing in bounded steps lets the next interval measure the
+            bigger pool first. Defaults to 2.
     """
 
     ttft_ms: float = 500.0
@@ -430,13 +431,15 @@ def _pool_needs(cfg: PlannerConfig, prefill: _Need, decode: _Need) -> dict[Worke
 
 
 def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
-          reachable: bool = True) -> tuple[int, tuple[int, ...], str]:
-    """Anti-flapping: up at once (for an unreachable goal at most ``max_scale_up_factor``
-    per tick), down after ``scale_down_hold_intervals`` lower ticks."""
+          demand_need: int | None = None) -> tuple[int, tuple[int, ...], str]:
+    """Anti-flapping: up at once to ``demand_need`` (the need without corrections; None =
+    ``need``) and beyond it by at most ``max_scale_up_factor`` per tick; down after
+    ``scale_down_hold_intervals`` lower ticks."""
     if need > previous:
         f = cfg.max_scale_up_factor
-        step = need if reachable or f is None else min(need, max(previous + 1, math.ceil(previous * f - _EPS)))
-        capped = f" (need {need} for an unreachable goal; at most x{f:g} per tick)" if step < need else ""
+        floor = need if demand_need is None or f is None else demand_need
+        step = min(need, max(floor, previous + 1, math.ceil(previous * f - _EPS)) if f is not None else need)
+        capped = f" (need {need}, {floor} before corrections; at most x{f:g} per tick)" if step < need else ""
         return step, (), f"scale up {previous} -> {step}{capped}"
     if need == previous:
         return need, (), f"hold at {need}"
@@ -481,6 +484,7 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
     p_corr, d_corr = _corrections(state, tick, hit_rate)
     pred = _predict(preds, hit_rate)
     needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr))
+    uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0))
 
     raw: dict[WorkerRole, int] = {}
     held: dict[WorkerRole, int] = {}
@@ -490,9 +494,8 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         current = int(tick.current_replicas.get(pool, 0))
         raw[pool] = max(cfg.min_replicas(pool), _ceil(needs[pool].replicas))
         previous = state.targets.get(pool, current)
-        point = needs[pool].point
-        held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()),
-                                                    reachable=point is None or point.meets_target)
+        demand = max(cfg.min_replicas(pool), _ceil(uncorrected[pool].replicas))
+        held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()), demand)
     targets = _fit_budget(cfg, held)
 
     decisions = []
