@@ -43,3 +43,37 @@ async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int,
         yield sup
     finally:
         await sup.stop()
+
+
+@contextlib.asynccontextmanager
+async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str, mocker, workers: int = 2,
+                             client_timeout_s: float = 30.0) -> AsyncIterator[tuple]:
+    """A round-robin router, ``workers`` mocker workers (slots 0..n-1, ids ``w0``...) and a
+    started client, all in this process on the given broker; yields ``(router, [Worker], client)``.
+
+    In-process parts let a test read a worker's counters and engine state
+    while every record still travels through the broker.
+    """
+    from kvflow.router.app import build_router_app
+    from kvflow.streams.client import KvflowClient
+    from kvflow.workers.engines.mocker import MockerEngine
+    from kvflow.workers.worker import Worker, WorkerConfig
+
+    router = build_router_app(settings, catalog, policy="round_robin")
+    await router.app.start()
+    started: list[tuple[Worker, asyncio.Task]] = []
+    client = KvflowClient(settings, catalog, timeout_s=client_timeout_s)
+    try:
+        for i in range(workers):
+            engine = MockerEngine(mocker, worker_id=f"w{i}", model_name=model)
+            worker = Worker(settings, WorkerConfig(worker_id=f"w{i}", slot=i, model=model), engine, catalog)
+            started.append((worker, asyncio.create_task(worker.run())))
+        await waiter(lambda: len(router.table.workers) == workers)
+        await client.start()
+        yield router, [w for w, _ in started], client
+    finally:
+        await client.stop()
+        for worker, task in started:
+            worker.stop()
+            await task
+        await router.app.stop()

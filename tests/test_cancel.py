@@ -22,8 +22,7 @@ import pytest
 import uvicorn
 from aiokafka import TopicPartition
 
-from deployment import wait_bridge_healthy
-from kvflow.router.app import build_router_app
+from deployment import in_process_cluster, wait_bridge_healthy
 from kvflow.schemas import (
     DeadLetter,
     FinalResponse,
@@ -37,11 +36,9 @@ from kvflow.schemas import (
 )
 from kvflow.streams.bridge import build_app
 from kvflow.streams.broker import free_port
-from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import make_consumer, make_producer
-from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig
-from kvflow.workers.worker import Worker, WorkerConfig
+from kvflow.workers.worker import Worker
 
 MODEL = "mock-cancel"
 LONG = 5000
@@ -50,29 +47,14 @@ BRIDGE_SLOT = 7
 """Responses partition of the bridge, read back by the tests."""
 
 
-async def start_worker(settings, catalog, worker_id: str, slot: int) -> tuple[Worker, asyncio.Task]:
-    engine = MockerEngine(MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=1024),
-                          worker_id=worker_id, model_name=MODEL)
-    worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=MODEL), engine, catalog)
-    return worker, asyncio.create_task(worker.run())
-
-
 @pytest.fixture
 async def cluster(kafka, waiter):
     """``(settings, catalog, [worker w0, worker w1], client)`` behind a round-robin router."""
     settings, catalog = kafka
-    router = build_router_app(settings, catalog, policy="round_robin")
-    await router.app.start()
-    started = [await start_worker(settings, catalog, f"w{i}", slot=i) for i in range(2)]
-    await waiter(lambda: len(router.table.workers) == 2)
-    client = KvflowClient(settings, catalog, timeout_s=20)
-    await client.start()
-    yield settings, catalog, [w for w, _ in started], client
-    await client.stop()
-    for worker, task in started:
-        worker.stop()
-        await task
-    await router.app.stop()
+    mocker = MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=1024)
+    async with in_process_cluster(settings, catalog, waiter, model=MODEL, mocker=mocker,
+                                  client_timeout_s=20) as (_, workers, client):
+        yield settings, catalog, workers, client
 
 
 @pytest.fixture

@@ -4,40 +4,21 @@ import asyncio
 
 import pytest
 
-from kvflow.router.app import build_router_app
 from kvflow.schemas import ChatMessage, FinalResponse, FinishReason, SamplingParams, TokenDelta, WorkerRole
-from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import make_producer
-from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig
-from kvflow.workers.worker import Worker, WorkerConfig
+
+from deployment import in_process_cluster
 
 MODEL = "mock-model"
-
-
-async def start_worker(settings, catalog, worker_id, slot, speedup=50.0):
-    engine = MockerEngine(MockerConfig(speedup_ratio=speedup, block_size=16, num_kv_blocks=512),
-                          worker_id=worker_id, model_name=MODEL)
-    worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=MODEL), engine, catalog)
-    task = asyncio.create_task(worker.run())
-    return worker, task
 
 
 @pytest.fixture
 async def cluster(kafka, waiter):
     settings, catalog = kafka
-    router = build_router_app(settings, catalog, policy="round_robin")
-    await router.app.start()
-    workers = [await start_worker(settings, catalog, f"w{i}", slot=i) for i in range(2)]
-    await waiter(lambda: len(router.table.workers) == 2)
-    client = KvflowClient(settings, catalog, timeout_s=30)
-    await client.start()
-    yield settings, catalog, router, workers, client
-    await client.stop()
-    for worker, task in workers:
-        worker.stop()
-        await task
-    await router.app.stop()
+    mocker = MockerConfig(speedup_ratio=50.0, block_size=16, num_kv_blocks=512)
+    async with in_process_cluster(settings, catalog, waiter, model=MODEL, mocker=mocker) as (router, workers, client):
+        yield settings, catalog, router, workers, client
 
 
 async def test_request_streams_deltas_then_final(cluster):
@@ -52,7 +33,7 @@ async def test_request_streams_deltas_then_final(cluster):
     assert sum(len(d.token_ids) for d in deltas) == 12 == final.usage.completion_tokens
     assert "".join(d.text for d in deltas) == final.text
     assert final.finish_reason == FinishReason.length
-    assert final.usage.prompt_tokens == len(workers[0][0].tokenizer.encode_chat(req.messages))
+    assert final.usage.prompt_tokens == len(workers[0].tokenizer.encode_chat(req.messages))
     assert final.routing.worker_id == final.worker_id
     assert final.timings.first_token_ms >= final.timings.started_ms
 
@@ -75,7 +56,7 @@ async def test_malformed_queue_record_does_not_kill_worker(cluster):
                                                                        sampling=SamplingParams(max_tokens=2)))
                                     for i in range(4)))
     assert {f.worker_id for f in finals} == {"w0", "w1"}
-    assert workers[0][0].dlq.count == 1
+    assert workers[0].dlq.count == 1
 
 
 async def test_stop_string_cuts_output(cluster):
