@@ -437,9 +437,10 @@ def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
     ``scale_down_hold_intervals`` lower ticks."""
     if need > previous:
         f = cfg.max_scale_up_factor
-        floor = need if demand_need is None or f is None else demand_need
-        step = min(need, max(floor, previous + 1, math.ceil(previous * f - _EPS)) if f is not None else need)
-        capped = f" (need {need}, {floor} before corrections; at most x{f:g} per tick)" if step < need else ""
+        if f is None or demand_need is None:
+            return need, (), f"scale up {previous} -> {need}"
+        step = min(need, max(demand_need, previous + 1, math.ceil(previous * f - _EPS)))
+        capped = f" (need {need}, {demand_need} before corrections; at most x{f:g} per tick)" if step < need else ""
         return step, (), f"scale up {previous} -> {step}{capped}"
     if need == previous:
         return need, (), f"hold at {need}"
