@@ -59,6 +59,13 @@ def up(
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
     ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
+    ttft_statistic: Annotated[str, typer.Option(
+        help="SLA planner: mean | p99 of an interval's TTFTs that must meet --ttft-ms.")] = "mean",
+    itl_statistic: Annotated[str, typer.Option(
+        help="SLA planner: mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")] = "mean",
+    correction_smoothing: Annotated[float, typer.Option(
+        help="SLA planner: weight of the newest interval in the moving average of correction factors (1: none).")]
+    = 1.0,
     adjustment_interval_s: Annotated[float, typer.Option(help="SLA planner: seconds between decisions.")] = 10.0,
     min_workers: Annotated[int, typer.Option(min=0, help="SLA planner: fewest workers.")] = 1,
     max_workers: Annotated[int, typer.Option(min=1, help="SLA planner: most workers.")] = 8,
@@ -101,7 +108,9 @@ def up(
             plan = (PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=adjustment_interval_s,
                                   mode=PlannerMode.aggregated, predictor=predictor,
                                   min_aggregated_replicas=min_workers, max_gpus=max_workers,
-                                  scale_down_hold_intervals=scale_down_hold_intervals),
+                                  scale_down_hold_intervals=scale_down_hold_intervals,
+                                  ttft_statistic=ttft_statistic, itl_statistic=itl_statistic,
+                                  correction_smoothing=correction_smoothing),
                     load_profile(profile, engine, **mocker_args))
         except (ValueError, NotImplementedError, FileNotFoundError) as exc:
             raise typer.BadParameter(str(exc)) from exc
@@ -211,6 +220,13 @@ def status(
 def planner_cmd(
     ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="ITL target, ms.")] = 50.0,
+    ttft_statistic: Annotated[str, typer.Option(
+        help="mean | p99 of an interval's TTFTs that must meet --ttft-ms.")] = "mean",
+    itl_statistic: Annotated[str, typer.Option(
+        help="mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")] = "mean",
+    correction_smoothing: Annotated[float, typer.Option(
+        help="weight of the newest interval in the moving average of correction factors (1: none).")]
+    = 1.0,
     adjustment_interval_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 60.0,
     mode: Annotated[str, typer.Option(help="aggregated | disaggregated (prefill and decode pools).")] = "disaggregated",
     min_replicas: Annotated[int, typer.Option(min=0, help="Fewest replicas of each pool.")] = 1,
@@ -249,7 +265,9 @@ def planner_cmd(
                                mode=PlannerMode(mode), predictor=predictor, max_gpus=max_gpus,
                                min_prefill_replicas=min_replicas, min_decode_replicas=min_replicas,
                                min_aggregated_replicas=min_replicas,
-                               scale_down_hold_intervals=scale_down_hold_intervals)
+                               scale_down_hold_intervals=scale_down_hold_intervals,
+                               ttft_statistic=ttft_statistic, itl_statistic=itl_statistic,
+                               correction_smoothing=correction_smoothing)
         prof = load_profile(profile)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from exc

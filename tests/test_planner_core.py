@@ -191,6 +191,36 @@ def test_correction_smoothing_averages_intervals(perf):
         cfg(correction_smoothing=0.0)
 
 
+def test_p99_statistic_corrects_with_the_tail(perf):
+    # Same decode interval as above (expected ITL 28 ms at 1000 tok/s per replica): mean 28 ms matches the
+    # profile, p99 56 ms is twice it. The mean planner keeps factor 1 and 2 replicas; the p99 planner takes
+    # factor 2, so its 50 ms goal becomes 25 ms (1 seq per replica) and it grows x2 per tick towards 20.
+    obs = TrafficObservation(duration_s=INTERVAL_S, num_requests=600, mean_isl=1000, mean_osl=200,
+                             mean_ttft_ms=100, mean_itl_ms=28, p99_ttft_ms=100, p99_itl_ms=56)
+    tick = TickInput(now_ms=1, traffic=obs, current_replicas={P: 1, D: 2})
+    _, mean_fx = on_tick(initial_state(cfg(max_gpus=64), perf), tick)
+    assert mean_fx.decode_correction == pytest.approx(1.0) and mean_fx.target(D) == 2
+    _, p99_fx = on_tick(initial_state(cfg(max_gpus=64, itl_statistic="p99"), perf), tick)
+    d = {x.pool: x for x in p99_fx.decisions}[D]
+    assert p99_fx.decode_correction == pytest.approx(2.0)
+    assert (d.needed_replicas, d.target_replicas) == (20, 4)
+    # prefill: the p99 TTFT statistic reads p99_ttft_ms (2x the expected 225 ms at 15 req/s on one replica)
+    obs = TrafficObservation(duration_s=INTERVAL_S, num_requests=900, mean_isl=1000, mean_osl=200,
+                             mean_ttft_ms=225, p99_ttft_ms=450)
+    _, fx = on_tick(initial_state(cfg(ttft_statistic="p99"), perf),
+                    TickInput(now_ms=1, traffic=obs, current_replicas={P: 1, D: 2}))
+    assert fx.prefill_correction == pytest.approx(2.0) and fx.target(P) == 2
+
+
+def test_p99_statistic_without_a_p99_keeps_the_last_factor(perf):
+    state = initial_state(cfg(itl_statistic="p99", ttft_statistic="p99"), perf)
+    state, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(10, ttft=450, itl=56),
+                                         current_replicas={P: 1, D: 2}))
+    assert (fx.prefill_correction, fx.decode_correction) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="itl_statistic"):
+        cfg(itl_statistic="p95")
+
+
 def test_corrections_are_clamped_and_skip_overloaded_replicas(perf):
     state = initial_state(cfg(correction_max=3.0), perf)
     _, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(5, ttft=10_000), current_replicas={P: 1, D: 1}))

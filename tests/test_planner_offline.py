@@ -320,14 +320,20 @@ def test_cli_runs_the_planner_and_the_static_baselines(burst_csv, tmp_path):
         "replay", str(burst_csv), "--mode", "offline", "--planner", "sla", "--ttft-ms", "1000", "--itl-ms", "100",
         "--predictor", "kalman", "--adjustment-interval-s", "10", "--min-workers", "1", "--max-workers", "4",
         "--workers", "1", "--profile-kind", "phases", "--speedup-ratio", "0.1", "--sla-target", "0.9",
+        "--planner-itl-statistic", "p99", "--planner-correction-smoothing", "0.5",
         "--json", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["planner"]["settings"]["predictor"] == "kalman"
     assert data["planner"]["settings"]["adjustment_interval_s"] == 10.0
     assert data["planner"]["settings"]["speedup_ratio"] == 0.1 and data["planner"]["settings"]["profile"] == "phases"
+    assert data["planner"]["settings"]["itl_statistic"] == "p99"
+    assert data["planner"]["settings"]["ttft_statistic"] == "mean"
+    assert data["planner"]["settings"]["correction_smoothing"] == 0.5
     assert 0.0 <= data["sla_attainment"] <= 1.0 and data["static_peak_replica_hours"] > 0
     assert "static mean" in result.output
     bad = CliRunner().invoke(app, ["replay", str(burst_csv), "--planner", "sla", "--workers", "8",
                                    "--max-workers", "4"])
     assert bad.exit_code != 0 and "starting pool" in bad.output
+    bad = CliRunner().invoke(app, ["replay", str(burst_csv), "--planner", "sla", "--planner-itl-statistic", "p95"])
+    assert bad.exit_code != 0 and "itl_statistic" in bad.output

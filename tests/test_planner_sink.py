@@ -79,6 +79,7 @@ def test_interval_aggregates_match_hand_computation(ch):
     assert a.request_rate_per_s == pytest.approx(0.4)
     obs = a.to_observation()
     assert (obs.duration_s, obs.num_requests, obs.mean_ttft_ms, obs.mean_itl_ms) == (10, 4, 150, 10)
+    assert (obs.p99_ttft_ms, obs.p99_itl_ms) == (a.p99_ttft_ms, a.p99_itl_ms)
 
     everything = interval_aggregates(ch, T0, T0 + 10_000)
     assert everything.num_requests == 5 and everything.mean_isl == 400  # (100+200+1000+300+400) / 5

@@ -72,7 +72,7 @@ class IntervalAggregates:
         return self.num_requests / self.duration_s if self.duration_s > 0 else 0.0
 
     def to_observation(self) -> TrafficObservation:
-        """The planner core's view of this window (means, not percentiles)."""
+        """The planner core's view of this window (means, and the 99th percentiles of TTFT and ITL)."""
         return TrafficObservation(
             duration_s=self.duration_s,
             num_requests=self.num_requests,
@@ -81,6 +81,8 @@ class IntervalAggregates:
             mean_ttft_ms=self.mean_ttft_ms,
             mean_itl_ms=self.mean_itl_ms,
             mean_cached_tokens=self.mean_cached_tokens,
+            p99_ttft_ms=self.p99_ttft_ms,
+            p99_itl_ms=self.p99_itl_ms,
         )
 
 

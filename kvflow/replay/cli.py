@@ -61,9 +61,18 @@ def replay(
         "--sla-itl-ms", "--itl-ms", help="SLA: per-request mean ITL (TPOT) threshold, ms")] = 50.0,
     planner: Annotated[str, typer.Option(help="offline: none | sla (size the pool with the SLA planner)")] = "none",
     planner_ttft_ms: Annotated[Optional[float], typer.Option(
-        help="planner: mean TTFT it plans for, ms (default: the SLA threshold)")] = None,
+        help="planner: TTFT it plans for, ms (default: the SLA threshold)")] = None,
     planner_itl_ms: Annotated[Optional[float], typer.Option(
-        help="planner: mean ITL it plans for, ms (default: the SLA threshold; lower buys tail headroom)")] = None,
+        help="planner: ITL it plans for, ms (default: the SLA threshold; with the mean statistic, lower buys "
+             "tail headroom)")] = None,
+    planner_ttft_statistic: Annotated[str, typer.Option(
+        help="planner: mean | p99: which statistic of an interval's TTFTs must meet its TTFT target")] = "mean",
+    planner_itl_statistic: Annotated[str, typer.Option(
+        help="planner: mean | p99: which statistic of an interval's per-request ITLs must meet its ITL target")]
+    = "mean",
+    planner_correction_smoothing: Annotated[float, typer.Option(
+        help="planner: weight of the newest interval in the moving average of correction factors (1: none)")]
+    = 1.0,
     predictor: Annotated[str, typer.Option(help="planner: constant | arima | kalman | prophet")] = "constant",
     adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
     worker_startup_s: Annotated[float, typer.Option(
@@ -106,7 +115,9 @@ def replay(
             plan = _planner_options(planner, sla_ttft_ms if planner_ttft_ms is None else planner_ttft_ms,
                                     sla_itl_ms if planner_itl_ms is None else planner_itl_ms, predictor,
                                     adjustment_interval_s, scale_down_hold_intervals, min_workers, max_workers,
-                                    workers, sla_target, profile_kind)
+                                    workers, sla_target, profile_kind, ttft_statistic=planner_ttft_statistic,
+                                    itl_statistic=planner_itl_statistic,
+                                    correction_smoothing=planner_correction_smoothing)
             disagg = DisaggConfig(prefill_threshold_tokens=disagg_threshold_tokens,
                                   max_prefill_queue_per_worker=disagg_max_prefill_queue)
             report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate,
@@ -134,8 +145,9 @@ def replay(
 
 def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str, interval_s: float, hold: int,
                      min_workers: int, max_workers: int, workers: int, sla_target: float,
-                     profile_kind: str) -> dict:
-    """``run_offline`` keyword arguments for ``--planner`` (empty for ``none``).
+                     profile_kind: str, **tuning) -> dict:
+    """``run_offline`` keyword arguments for ``--planner`` (empty for ``none``);
+    ``tuning`` holds further :class:`~kvflow.planner.core.PlannerConfig` fields.
 
     Raises:
         ValueError: unknown planner or profile kind, ``--workers`` outside
@@ -151,5 +163,5 @@ def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str
 
     config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=interval_s,
                            mode=PlannerMode.aggregated, predictor=predictor, min_aggregated_replicas=min_workers,
-                           max_gpus=max_workers, scale_down_hold_intervals=hold)
+                           max_gpus=max_workers, scale_down_hold_intervals=hold, **tuning)
     return {"planner": config, "max_workers": max_workers, "sla_target": sla_target, "profile_kind": profile_kind}
