@@ -536,9 +536,10 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
         planner_config: aggregated-mode planner settings.
         max_replicas: upper end of the static-peak search (the planner's cap).
         sla_ttft_ms, sla_itl_ms: the SLA every run is judged by (TTFT and
-            per-request mean ITL, ms); default: the planner's targets. The
-            planner steers mean latencies, so planning below the SLA
-            thresholds buys tail headroom.
+            per-request mean ITL, ms); default: the planner's targets. A
+            planner steering mean latencies needs targets below the SLA
+            thresholds for tail headroom; one steering the p99
+            (``itl_statistic="p99"``) can take the thresholds as they are.
         sla_target: attainment the static-peak pool must reach, in (0, 1].
         profile: the planner's profile; default: :func:`profile_for` the
             simulator's mocker as ``profile_kind`` (the aggregated kind with
