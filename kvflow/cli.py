@@ -23,6 +23,12 @@ STATE_FILE = Path(os.environ.get("KVFLOW_STATE_FILE", Path.home() / ".cache" / "
 BootstrapOpt = Annotated[Optional[str], typer.Option("--bootstrap-servers", "-b", envvar="KVFLOW_BOOTSTRAP_SERVERS",
                                                      help="Kafka bootstrap servers; default: the embedded broker.")]
 NamespaceOpt = Annotated[str, typer.Option(envvar="KVFLOW_NAMESPACE", help="Topic name prefix.")]
+TtftStatisticOpt = Annotated[str, typer.Option(
+    help="SLA planner: mean | p99 of an interval's TTFTs that must meet --ttft-ms.")]
+ItlStatisticOpt = Annotated[str, typer.Option(
+    help="SLA planner: mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")]
+SmoothingOpt = Annotated[float, typer.Option(
+    help="SLA planner: weight of the newest interval in the moving average of correction factors (1: none).")]
 
 
 def _logging(verbose: bool) -> None:
@@ -59,13 +65,9 @@ def up(
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
     ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
-    ttft_statistic: Annotated[str, typer.Option(
-        help="SLA planner: mean | p99 of an interval's TTFTs that must meet --ttft-ms.")] = "mean",
-    itl_statistic: Annotated[str, typer.Option(
-        help="SLA planner: mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")] = "mean",
-    correction_smoothing: Annotated[float, typer.Option(
-        help="SLA planner: weight of the newest interval in the moving average of correction factors (1: none).")]
-    = 1.0,
+    ttft_statistic: TtftStatisticOpt = "mean",
+    itl_statistic: ItlStatisticOpt = "mean",
+    correction_smoothing: SmoothingOpt = 1.0,
     adjustment_interval_s: Annotated[float, typer.Option(help="SLA planner: seconds between decisions.")] = 10.0,
     min_workers: Annotated[int, typer.Option(min=0, help="SLA planner: fewest workers.")] = 1,
     max_workers: Annotated[int, typer.Option(min=1, help="SLA planner: most workers.")] = 8,
@@ -220,13 +222,9 @@ def status(
 def planner_cmd(
     ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="ITL target, ms.")] = 50.0,
-    ttft_statistic: Annotated[str, typer.Option(
-        help="mean | p99 of an interval's TTFTs that must meet --ttft-ms.")] = "mean",
-    itl_statistic: Annotated[str, typer.Option(
-        help="mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")] = "mean",
-    correction_smoothing: Annotated[float, typer.Option(
-        help="weight of the newest interval in the moving average of correction factors (1: none).")]
-    = 1.0,
+    ttft_statistic: TtftStatisticOpt = "mean",
+    itl_statistic: ItlStatisticOpt = "mean",
+    correction_smoothing: SmoothingOpt = 1.0,
     adjustment_interval_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 60.0,
     mode: Annotated[str, typer.Option(help="aggregated | disaggregated (prefill and decode pools).")] = "disaggregated",
     min_replicas: Annotated[int, typer.Option(min=0, help="Fewest replicas of each pool.")] = 1,

@@ -62,8 +62,8 @@ from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerRole
 
 __all__ = [
-    "LATENCY_STATISTICS", "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction", "PoolDecision",
-    "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
+    "LATENCY_STATISTICS", "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction",
+    "PoolDecision", "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
 ]
 
 _EPS = 1e-9
