@@ -141,13 +141,8 @@ class _PrefixCache:
         return block_hash in self._blocks
 
     def match(self, block_hashes: list[int]) -> list[torch.Tensor]:
-        """Blocks of the longest cached prefix of ``block_hashes``, in order."""
-        found: list[torch.Tensor] = []
-        for h in block_hashes:
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            found.append(block)
+        """Blocks of the longest cached prefix of ``block_hashes``, in order; marks them recently used."""
+        found = self.peek(block_hashes)
         self.touch(block_hashes[: len(found)])
         return found
 
