@@ -96,6 +96,17 @@ def test_decoding_requests_share_the_token_budget():
     assert core.stats().active_prefill_tokens == 300 - 99
 
 
+def test_stats_count_the_prefill_of_the_step_in_flight():
+    core = MockerCore(MockerConfig(block_size=16, max_num_batched_tokens=256))
+    core.add_request(req("a", prompt(600), 2))
+    first = core.step()
+    # The step computed 256 tokens at once; until it ends they are still work ahead.
+    assert core.stats().active_prefill_tokens == 600 - 256
+    assert core.stats(first).active_prefill_tokens == 600
+    last = run_all(core)[-1]
+    assert core.stats(last).active_prefill_tokens == 0
+
+
 def test_prefix_cache_hit_on_second_identical_request():
     core = MockerCore(MockerConfig())
     p = prompt(1000)
@@ -333,6 +344,26 @@ async def test_live_engine_two_concurrent_requests():
     assert all(s > 0 for s in sleep.seconds) and len(sleep.seconds) == 12
     assert sleep.seconds[0] == pytest.approx((prefill_ms(300) + decode_ms(13 + 7, 16384)) / 1000)
     assert engine.kv_stats().used_blocks == 0
+
+
+async def test_live_engine_reports_the_prefill_it_is_sleeping_through():
+    seen: list[int] = []
+    engine: MockerEngine
+
+    async def sleep(seconds: float) -> None:
+        seen.append(engine.kv_stats().active_prefill_tokens)
+        await asyncio.sleep(0)
+
+    engine = MockerEngine(MockerConfig(block_size=16, max_num_batched_tokens=256), sleep=sleep)
+    await engine.start()
+    try:
+        outs = [o async for o in engine.generate(req("a", prompt(600), 2))]
+    finally:
+        await engine.stop()
+    assert len(outs) == 2
+    # Chunks of 256, 256, 88 prompt tokens, then one decode step.
+    assert seen == [600, 344, 88, 0]
+    assert engine.kv_stats().active_prefill_tokens == 0
 
 
 async def test_live_engine_real_clock_with_speedup():

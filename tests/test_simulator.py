@@ -142,6 +142,25 @@ def test_least_loaded_sees_engine_load_refreshed_at_each_decision():
     assert [by_id(res)[f"r{i}"].worker_id for i in range(3)] == ["worker-000", "worker-001", "worker-001"]
 
 
+def test_router_sees_the_prefill_of_a_step_in_flight():
+    # r0's 4000-token prefill runs in one step of about 77 ms; r1 arrives 10 ms into it.
+    reqs = [req(i, t, isl, 2, tuple(range(10 * i, 10 * i + 10))) for i, (t, isl) in
+            enumerate([(0.0, 4000), (10.0, 100), (500.0, 100)])]
+    seen: dict[str, dict[str, int]] = {}
+
+    def capture(req_, candidates, table):
+        seen[req_.request_id] = {w.worker_id: w.active_prefill_tokens for w in candidates}
+        return policies.POLICIES["round_robin"](req_, candidates, table)
+
+    policies.register_policy("_capture_prefill")(capture)
+    try:
+        simulate(reqs, SimConfig(workers=2, policy="_capture_prefill", mocker=cfg()))
+    finally:
+        del policies.POLICIES["_capture_prefill"]
+    assert seen["r1"] == {"worker-000": 4000, "worker-001": 0}
+    assert seen["r2"] == {"worker-000": 0, "worker-001": 0}
+
+
 class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, object]] = []

@@ -358,10 +358,11 @@ class Simulation:
 
     def _heartbeat(self, w: SimWorker) -> None:
         """Refresh the routing table's view of ``w`` from its engine, as a heartbeat would
-        (nothing while it is still starting)."""
+        (nothing while it is still starting). The step in flight counts as prefill work
+        still ahead, as the live mocker engine reports it."""
         if w.ready_ms > self.now_ms:
             return
-        s = w.core.stats()
+        s = w.core.stats(w.pending)
         apply_heartbeat(self.table, WorkerHeartbeat(
             worker_id=w.worker_id, role=w.role, status=WorkerStatus.draining if w.draining else WorkerStatus.serving,
             model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,

@@ -34,7 +34,7 @@ from kvflow.workers.engines.base import (
     GenerateRequest,
     KvStats,
 )
-from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, kv_transfer_time_ms
+from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 
 __all__ = ["MockerEngine"]
@@ -100,6 +100,7 @@ class MockerEngine(Engine):
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._in_flight: StepResult | None = None  # the step being slept through
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> MockerEngine:
@@ -164,7 +165,11 @@ class MockerEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._sleep(result.duration_ms / 1000.0)
+            self._in_flight = result
+            try:
+                await self._sleep(result.duration_ms / 1000.0)
+            finally:
+                self._in_flight = None
             for request_id, output in result.outputs.items():
                 queue = self._queues.get(request_id)
                 if queue is not None:
@@ -275,8 +280,8 @@ class MockerEngine(Engine):
         self._wake.set()
 
     def kv_stats(self) -> KvStats:
-        """KV usage and queue lengths from the core."""
-        return self.core.stats()
+        """KV usage and queue lengths from the core; prefill work counts the step in flight."""
+        return self.core.stats(self._in_flight)
 
     def dump_kv_events(self) -> list[KvEvent]:
         """``BlockStored`` events for every cached block (for a KV resync)."""

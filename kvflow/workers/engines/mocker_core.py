@@ -473,13 +473,21 @@ class MockerCore:
 
     # ---- introspection ---------------------------------------------------
 
-    def stats(self) -> KvStats:
+    def stats(self, in_flight: StepResult | None = None) -> KvStats:
         """Current KV usage, queue lengths and token totals.
 
         ``active_prefill_tokens`` counts prompt/recompute tokens not yet
-        computed, over waiting and running requests (O(requests)).
+        computed, over waiting and running requests (O(requests)), plus the
+        prefill tokens of ``in_flight``: the step the owner is still running
+        (its outputs not yet delivered). :meth:`step` computes a step at once,
+        so without it a worker in the middle of a long prefill would report
+        no prefill work, although a request routed to it waits for that step
+        to end: a load-aware router would then pile arrivals onto it.
+
+        Args:
+            in_flight: the step now running, or None between steps.
         """
-        pending = 0
+        pending = in_flight.prefill_tokens if in_flight is not None else 0
         for seq in self._seqs.values():
             left = len(seq.tokens) - seq.num_computed
             if not (seq.num_generated and left == 1):  # requests in decode have one token pending
