@@ -42,14 +42,22 @@ Why these terms:
   figures; each is assumed as large as the current one, which keeps a burst
   between heartbeats from piling onto one worker.
 
-Defaults (``queue_weight`` 0.5, ``decode_weight`` 16) are kvflow's choice,
-tuned with the offline simulator (:mod:`kvflow.replay.simulator`) on the
-Mooncake conversation trace (first 40 minutes) with 8 mocker workers of
-16,384 blocks of 64 tokens; ``python bench/kv_index.py --routing`` reruns
-the comparison. The cost of Dynamo's KV router (its router design docs:
+Defaults (``queue_weight`` 0.5, ``decode_weight`` 8) are kvflow's choice,
+tuned with the offline simulator (:mod:`kvflow.replay.simulator`) on two
+traces: the Mooncake conversation trace (first 40 minutes, 8 mocker workers
+of 16,384 blocks of 64 tokens; ``python bench/routing_quality.py``), where
+prefix reuse decides, and the Azure 2023 conversation trace (4 and 5 workers,
+mocker 4x slower, SLA TTFT 500 ms and ITL 50 ms), which has no shared
+prefixes, so only the load terms act. On Mooncake ``decode_weight`` 16
+reached a slightly higher hit rate (0.251 vs 0.247) but a worse TPOT p99
+(20.5 vs 19.0 ms); on Azure it left more requests outside the SLA than round
+robin (98.57% vs 98.67% within it on 4 workers), as every running request
+then weighs as much as 2,048 prompt tokens queued ahead, so arrivals pile
+onto a worker busy with long prompts. With 8: 98.88% on 4 workers, 99.58% on 5
+(round robin 99.55%). The cost of Dynamo's KV router (its router design docs:
 prefill blocks after overlap plus the worker's active KV blocks, both
 weight 1) scored prefix hit rate 0.204, TTFT p99 1805 ms and TPOT p99 38 ms
-on that replay; these defaults reach about 0.25, 1750 ms and 21 ms.
+on that replay; these defaults reach about 0.25, 1751 ms and 19 ms.
 
 Selection: with ``temperature == 0`` the lowest cost wins, ties to the lowest
 worker id; with ``temperature > 0`` costs are min-max normalised to [0, 1]
@@ -109,8 +117,9 @@ class KvPolicyConfig:
             relative to the request's own new prefill. Defaults to ``0.5``
             (kvflow's choice, tuned on the Mooncake replay).
         decode_weight: prefill-block equivalents per running request.
-            Defaults to ``16.0`` (kvflow's choice, tuned on the Mooncake
-            replay; 16 blocks of 64 tokens ≈ 1k prompt tokens).
+            Defaults to ``8.0`` (kvflow's choice, tuned on the Mooncake and
+            Azure replays, see the module docstring; 8 blocks of 64 tokens
+            = 512 prompt tokens).
         temperature: 0 = argmin; > 0 = softmax sampling over normalised
             costs. Defaults to ``0.0`` (Dynamo's ``--router-temperature``
             default).
@@ -130,7 +139,7 @@ class KvPolicyConfig:
     disk_weight: float = 0.5
     prefill_load_scale: float = 1.0
     queue_weight: float = 0.5
-    decode_weight: float = 16.0
+    decode_weight: float = 8.0
     temperature: float = 0.0
     approx_ttl_ms: int = 600_000
 
