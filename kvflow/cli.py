@@ -61,7 +61,7 @@ def up(
     bridge: Annotated[bool, typer.Option(help="Serve the OpenAI HTTP bridge (off: Kafka-native clients only).")] = True,
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
-    policy: Annotated[str, typer.Option(help="Routing policy.")] = "least_loaded",
+    policy: Annotated[str, typer.Option(help="Routing policy: kv | approx | least_loaded | round_robin | random.")] = "kv",
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
     ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
