@@ -20,6 +20,9 @@ Faust agents (consumer group, so each record is handled once per group):
 - ``track_workers`` keeps the ``routing-table`` GlobalTable (changelogged:
   the last heartbeat of every worker) and dead-letters malformed heartbeats.
 - ``check_kv_events`` dead-letters malformed KV event batches.
+- ``check_cancels`` dead-letters malformed cancel records. Every worker
+  reads the whole cancels topic and skips them, so each bad record is
+  dead-lettered once, not once per worker.
 
 Malformed records go to the dead-letter topic; no agent dies of one.
 """
@@ -44,6 +47,7 @@ from kvflow.router.projections import follow_topic
 from kvflow.router.shedding import BoundedRequestQueue, QueueFull, ShedConfig, has_free_worker, shed
 from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
+    CancelRequest,
     DeadLetter,
     ErrorInfo,
     FinalResponse,
@@ -143,6 +147,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
     workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
     kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
+    cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
     routing_table = app.GlobalTable(
         "routing-table", key_type=str, value_type=bytes,
         partitions=catalog.workers.partitions, help="worker id -> last heartbeat record",
@@ -175,6 +180,14 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         async for event in stream.events():
             try:
                 decode(KvEventBatch, event.value)
+            except RecordError as exc:
+                await dead_letter(event, str(exc))
+
+    @app.agent(cancels_topic, name="check_cancels")
+    async def check_cancels(stream: faust.StreamT) -> None:
+        async for event in stream.events():
+            try:
+                decode(CancelRequest, event.value)
             except RecordError as exc:
                 await dead_letter(event, str(exc))
 

@@ -19,8 +19,8 @@ final response whose ``finish_reason`` is ``abort``; a cancel for an id it
 does not hold is remembered for a while (:data:`CANCELS_REMEMBERED`), so a
 request that reaches this worker after its cancel (a cancel overtaking the
 router, or a disaggregated request forwarded from its prefill worker) is
-answered with ``abort`` at once. Malformed cancels are dead-lettered by
-each worker that reads them.
+answered with ``abort`` at once. A malformed cancel is skipped (counted in
+``malformed_cancels``); the router dead-letters it, once for the deployment.
 
 Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
 (:mod:`kvflow.schemas.transfer`) takes the prefill or decode path of
@@ -141,6 +141,7 @@ class Worker:
         self.kv_wakeup = asyncio.Event()
         self.served = 0
         self.aborted = 0  # requests ended because of a cancel record
+        self.malformed_cancels = 0  # cancel records that failed validation (skipped)
         self._aborted_reported = 0  # self.aborted at the last metrics snapshot
         # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
@@ -539,9 +540,12 @@ class Worker:
 
     async def _on_control(self, msg: Any) -> None:
         if msg.topic == self.catalog.cancels.name:
-            record = await self.dlq.decode(CancelRequest, msg)
-            if record is not None:
-                await self.cancel(record)
+            try:
+                record = decode(CancelRequest, msg.value)
+            except RecordError:
+                self.malformed_cancels += 1  # dead-lettered once by the router's check_cancels
+                return
+            await self.cancel(record)
             return
         try:
             req = decode(KvDumpRequest, msg.value)
@@ -560,6 +564,7 @@ class Worker:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly status dict (for logs and tests)."""
         return {"worker_id": self.config.worker_id, "status": self.status.value, "inflight": len(self.inflight),
-                "served": self.served, "aborted": self.aborted, "dead_letters": self.dlq.count}
+                "served": self.served, "aborted": self.aborted, "malformed_cancels": self.malformed_cancels,
+                "dead_letters": self.dlq.count}
 
 
