@@ -15,6 +15,7 @@ from kvflow.replay.report import (
     Report,
     RequestRecord,
     TimelineSample,
+    attainment_interval,
     build_report,
     latency_stats,
     load_report,
@@ -90,6 +91,57 @@ def test_build_report_by_hand():
     assert (r.block_size, r.total_kv_blocks, r.policy, r.seed, r.workers) == (64, 300, "round_robin", 3, 3)
 
 
+def minute_records(pattern: list[list[bool]]) -> list[RequestRecord]:
+    """Requests by minute of arrival: ``pattern[m][i]`` says whether request i of minute m meets 500/50 ms."""
+    out = []
+    for m, minute in enumerate(pattern):
+        for i, ok in enumerate(minute):
+            t = m * 60_000.0 + i * 100.0
+            ttft = 100.0 if ok else 900.0
+            out.append(RequestRecord(f"{m}-{i}", t, 100, 2, "w0", first_token_ms=t + ttft, last_token_ms=t + ttft + 10,
+                                     finish_ms=t + ttft + 10, output_tokens=2))
+    return out
+
+
+def test_attainment_interval_by_hand():
+    # two minutes, one all met, one all missed: resamples give 0, 0.5 or 1 with
+    # probabilities 1/4, 1/2, 1/4, so the 2.5% and 97.5% quantiles are 0 and 1
+    two = minute_records([[True] * 4, [False] * 4])
+    assert attainment_interval(two, 500, 50) == (0.0, 1.0)
+    r = build_report(two, [], mode="offline", trace="t", trace_format="mooncake", policy="p", workers=["w0"], seed=0)
+    assert r.sla_attainment_ci95 == (0.0, 1.0) and "95% interval 0.00%–100.00%" in render_markdown(r)
+    assert "| SLA attainment (95% interval) | 50.00% (0.00%–100.00%) |" in compare([r]).splitlines()
+    # every minute at 3/4: every resample is 3/4
+    same = minute_records([[True, True, True, False]] * 5)
+    assert attainment_interval(same, 500, 50) == pytest.approx((0.75, 0.75))
+    # one minute of arrivals, or none: no interval
+    assert attainment_interval(minute_records([[True, False]]), 500, 50) is None
+    assert attainment_interval([], 500, 50) is None
+    with pytest.raises(ValueError):
+        attainment_interval(two, 500, 50, level=1.0)
+
+
+def test_attainment_interval_narrows_with_more_minutes_and_holds_the_estimate():
+    rng = np.random.default_rng(1)
+    def minutes(k):
+        return minute_records([list(rng.random(50) < p) for p in rng.uniform(0.8, 1.0, k)])
+    few, many = minutes(10), minutes(200)
+    lo_f, hi_f = attainment_interval(few, 500, 50)
+    lo_m, hi_m = attainment_interval(many, 500, 50)
+    for recs, lo, hi in ((few, lo_f, hi_f), (many, lo_m, hi_m)):
+        point = make_sla(recs)
+        assert lo < point < hi
+    assert hi_m - lo_m < (hi_f - lo_f) / 2  # ~1/sqrt(20) of the width
+    assert attainment_interval(many, 500, 50, seed=5) != (lo_m, hi_m)  # resampled, not fixed
+    assert attainment_interval(many, 500, 50) == (lo_m, hi_m)  # deterministic per seed
+
+
+def make_sla(recs: list[RequestRecord]) -> float:
+    r = build_report(recs, [], mode="offline", trace="t", trace_format="mooncake", policy="p", workers=["w0"], seed=0)
+    assert r.sla_attainment_ci95 == attainment_interval(recs, 500, 50)
+    return r.sla_attainment
+
+
 def test_json_roundtrip_and_markdown(tmp_path):
     r = make_report()
     write_json(r, tmp_path / "sub" / "r.json")
@@ -113,6 +165,7 @@ def test_compare_tables_reports_side_by_side(tmp_path):
     assert lines[0] == "| metric | rr | rand |"
     assert "| policy | round_robin | random |" in lines
     assert "| goodput (req/s) | 0.38 (25.0%) | 1.15 (75.0%) |" in lines
+    assert "| SLA attainment (95% interval) | 25.00% | 75.00% |" in lines  # one minute of arrivals: no interval
     assert "| prefix hit rate | 40.0% | 40.0% |" in lines
     with pytest.raises(ValueError):
         compare([])

@@ -38,6 +38,8 @@ _ROWS: list[tuple[str, Callable[[Report], str]]] = [
     ("output tokens/s", lambda r: f"{r.output_tokens_per_s:,.0f}"),
     ("requests/s", lambda r: f"{r.requests_per_s:.2f}"),
     ("goodput (req/s)", lambda r: f"{r.goodput.requests_per_s:.2f} ({r.goodput.fraction:.1%})"),
+    ("SLA attainment (95% interval)", lambda r: "–" if r.sla_attainment is None else f"{r.sla_attainment:.2%}"
+     + (f" ({r.sla_attainment_ci95[0]:.2%}–{r.sla_attainment_ci95[1]:.2%})" if r.sla_attainment_ci95 else "")),
     ("wall time (s)", lambda r: "–" if r.wall_time_s is None else f"{r.wall_time_s:.1f}"),
 ]
 

@@ -20,7 +20,11 @@ Definitions (all latencies in ms):
   per-request SLA test of vLLM's ``benchmark_serving --goodput``
   (:func:`meets_sla`).
 * SLA attainment = requests meeting that test / all requests (failed ones
-  count as misses); equal to ``goodput.fraction``.
+  count as misses); equal to ``goodput.fraction``. Its 95% interval
+  (``sla_attainment_ci95``) is a block bootstrap over minutes of arrival
+  time (:func:`attainment_interval`): the sampling uncertainty of the figure
+  when the trace's minutes are taken as draws from the same traffic. Two
+  runs whose intervals overlap widely are not told apart by one replay.
 * replica-hours = the integral over the run of live workers (serving or
   draining), from trace start to the last completion, in hours.
 * disaggregated runs (:class:`DisaggSummary`): a remotely prefilled request
@@ -58,6 +62,7 @@ __all__ = [
     "Report",
     "latency_stats",
     "meets_sla",
+    "attainment_interval",
     "sla_attainment",
     "build_report",
     "disagg_summary",
@@ -292,7 +297,8 @@ class Report(BaseModel):
     completion. ``block_size``/``total_kv_blocks`` (all workers) are None
     online when unknown. ``wall_time_s`` is how long the replay itself ran.
     ``sla_attainment`` is the fraction of all requests meeting both goodput
-    thresholds. Offline, ``replica_hours`` is the integral of live workers
+    thresholds, ``sla_attainment_ci95`` its 95% block-bootstrap interval
+    (:func:`attainment_interval`; None with under two minutes of arrivals). Offline, ``replica_hours`` is the integral of live workers
     over the run (hours). With the SLA planner (``planner`` set), the
     ``static_*`` fields give replica-hours and attainment of the same trace on
     the static-peak and static-mean pools (see :class:`PlannerSummary`).
@@ -329,6 +335,7 @@ class Report(BaseModel):
     options: dict[str, Any] = {}
     wall_time_s: float | None = None
     sla_attainment: float | None = None
+    sla_attainment_ci95: tuple[float, float] | None = None
     replica_hours: float | None = None
     static_peak_replica_hours: float | None = None
     static_mean_replica_hours: float | None = None
@@ -368,6 +375,50 @@ def sla_attainment(records: Sequence[RequestRecord], sla_ttft_ms: float, sla_itl
     if not records:
         return 0.0
     return sum(meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records) / len(records)
+
+
+def attainment_interval(records: Sequence[RequestRecord], sla_ttft_ms: float, sla_itl_ms: float, *,
+                        window_s: float = 60.0, level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float] | None:
+    """Block-bootstrap interval of SLA attainment (:func:`sla_attainment`).
+
+    Requests are grouped into non-overlapping windows of ``window_s`` seconds
+    of arrival time (neighbouring requests share queues, so they are not
+    independent); ``resamples`` times, as many windows as there are are drawn
+    with replacement and the attainment of the drawn requests computed. The
+    interval is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of
+    those figures: the moving/non-overlapping block bootstrap (Künsch, Annals
+    of Statistics 17(3), 1989; Carlstein, same volume) with the percentile
+    interval (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993,
+    ch. 13). Deterministic for a given ``seed``.
+
+    Returns:
+        ``(low, high)`` fractions in [0, 1], or None with fewer than two
+        non-empty windows.
+
+    Raises:
+        ValueError: ``window_s`` <= 0, ``level`` outside (0, 1) or ``resamples`` < 1.
+    """
+    if window_s <= 0 or not 0 < level < 1 or resamples < 1:
+        raise ValueError("need window_s > 0, 0 < level < 1 and resamples >= 1")
+    if not records:
+        return None
+    window = np.array([int(r.arrival_ms // (window_s * 1000.0)) for r in records])
+    met = np.array([meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records], dtype=np.float64)
+    _, window = np.unique(window, return_inverse=True)
+    n = np.bincount(window).astype(np.float64)
+    good = np.bincount(window, weights=met)
+    if n.size < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    figures = np.empty(resamples)
+    chunk = max(1, 1_000_000 // n.size)  # bound the index matrix to ~8 MB
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        drawn = rng.integers(0, n.size, size=(stop - start, n.size))
+        figures[start:stop] = good[drawn].sum(axis=1) / n[drawn].sum(axis=1)
+    low, high = np.quantile(figures, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(low), float(high)
 
 
 @dataclass
@@ -452,6 +503,7 @@ def build_report(
         block_size=block_size, total_kv_blocks=total_kv_blocks, per_worker=per_worker, timeline=points,
         options=options or {}, wall_time_s=wall_time_s,
         sla_attainment=good / len(records) if records else 0.0,
+        sla_attainment_ci95=attainment_interval(records, sla_ttft_ms, sla_itl_ms),
     )
 
 
@@ -569,7 +621,9 @@ def render_markdown(report: Report) -> str:
         f"- throughput: {r.requests_per_s:.2f} req/s, {r.output_tokens_per_s:,.0f} output tokens/s",
         f"- prefix hit rate: {r.prefix_hit_rate:.1%} of {r.prompt_tokens:,} prompt tokens",
         f"- goodput: {r.goodput.requests_per_s:.2f} req/s ({r.goodput.fraction:.1%} of requests meet "
-        f"TTFT ≤ {r.goodput.sla_ttft_ms:g} ms and ITL ≤ {r.goodput.sla_itl_ms:g} ms)",
+        f"TTFT ≤ {r.goodput.sla_ttft_ms:g} ms and ITL ≤ {r.goodput.sla_itl_ms:g} ms"
+        + (f"; 95% interval {r.sla_attainment_ci95[0]:.2%}–{r.sla_attainment_ci95[1]:.2%}"
+           if r.sla_attainment_ci95 else "") + ")",
     ]
     if r.replica_hours is not None:
         lines.append(f"- replica-hours: {r.replica_hours:.3f}")
