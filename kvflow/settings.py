@@ -50,6 +50,20 @@ class Settings(BaseSettings):
     Azure conversation trace 82.9% of requests within TTFT 500 ms and ITL 50 ms against
     73.3% with ``least_loaded`` (one run each)."""
 
+    kv_overlap_credit: float = Field(default=1.0, ge=0)
+    """``kv``/``approx`` routing: prefill blocks saved per block cached on a worker's
+    device. Defaults to 1.0 (see :class:`kvflow.router.kv_policy.KvPolicyConfig`)."""
+
+    kv_queue_weight: float = Field(default=0.5, ge=0)
+    """``kv``/``approx`` routing: weight of the prompt work queued on a worker. Defaults to 0.5."""
+
+    kv_decode_weight: float = Field(default=8.0, ge=0)
+    """``kv``/``approx`` routing: prefill blocks one running request weighs. Defaults to 8."""
+
+    kv_temperature: float = Field(default=0.0, ge=0)
+    """``kv``/``approx`` routing: 0 picks the cheapest worker; > 0 samples by
+    softmax over normalised costs. Defaults to 0."""
+
     request_timeout_s: float = Field(default=600.0, gt=0)
     """How long the bridge and client wait for a request's final record. Defaults to 600."""
 

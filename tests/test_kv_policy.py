@@ -212,3 +212,29 @@ def test_approx_rejects_an_event_fed_index():
     table = table_with(heartbeat("w0"), index=KvIndex(BS))
     with pytest.raises(TypeError, match="ApproxKvIndex"):
         select_worker("approx", request(), table)
+
+
+def test_table_weights_replace_the_registered_defaults():
+    # w0: one running request; w1: a 64-token prompt queued. With the default
+    # decode weight 8, w0 costs 20 + 8 = 28 and w1 20 + 0.5 * 4 = 22: w1 wins.
+    table = table_with(heartbeat("w0", active=1), heartbeat("w1", prefill_tokens=64), index=KvIndex(BS))
+    assert select_worker("kv", request(), table).worker_id == "w1"
+    # weighing a running request as 1 block makes w0 the cheaper (21 vs 22)
+    table.kv_config = KvPolicyConfig(decode_weight=1.0)
+    d = select_worker("kv", request(), table)
+    assert d.worker_id == "w0" and d.cost == pytest.approx(21.0)
+    fresh = table_with(heartbeat("w0", active=1), heartbeat("w1", prefill_tokens=64))
+    assert select_worker("approx", request(now_ms=0), fresh).worker_id == "w1"
+    fresh.kv_config = KvPolicyConfig(decode_weight=1.0)
+    other = tuple(compute_block_hashes([t + 1000 for t in TOKENS], BS))  # a prompt not predicted on w1
+    assert select_worker("approx", request("r2", hashes=other, now_ms=0), fresh).worker_id == "w0"
+
+
+def test_weights_come_from_the_settings(monkeypatch):
+    from kvflow.settings import Settings
+
+    monkeypatch.setenv("KVFLOW_KV_DECODE_WEIGHT", "2.5")
+    monkeypatch.setenv("KVFLOW_KV_TEMPERATURE", "0.1")
+    cfg = KvPolicyConfig.from_settings(Settings())
+    assert (cfg.decode_weight, cfg.temperature, cfg.queue_weight, cfg.overlap_credit) == (2.5, 0.1, 0.5, 1.0)
+    assert KvPolicyConfig.from_settings(Settings(kv_queue_weight=0)).queue_weight == 0

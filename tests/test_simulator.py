@@ -285,3 +285,18 @@ def test_one_big_worker_hits_every_previously_seen_prefix():
     sim_cached = sum(r.cached_tokens for r in res.records)
     assert cached / prompt > 0.1  # the trace really shares prefixes (13.7% over the first 400)
     assert sim_cached <= cached and sim_cached / prompt == pytest.approx(cached / prompt, abs=0.005)
+
+
+def test_kv_weights_reach_the_simulated_router():
+    from kvflow.router.kv_policy import KvPolicyConfig
+
+    def run(kv_config):
+        return run_offline(TRACES / "azure2023_conv.csv", workers=4, policy="kv", limit=600, progress=False,
+                           mocker_config=MockerConfig(speedup_ratio=0.25), kv_config=kv_config)
+
+    default, decode_blind = run(None), run(KvPolicyConfig(decode_weight=0.0))
+    assert "kv_weights" not in default.options and decode_blind.options["kv_weights"]["decode_weight"] == 0.0
+    # no prefix is shared on this trace, so the load terms alone decide: without
+    # the decode term the workers' shares change
+    assert [w.requests for w in default.per_worker] != [w.requests for w in decode_blind.per_worker]
+    assert run(KvPolicyConfig()).per_worker == default.per_worker  # explicit defaults = no config

@@ -47,6 +47,14 @@ def replay(
         min=1, help="offline disaggregated: prefill remotely only while the prefill queue is below this "
                     "many requests per prefill worker")] = 2,
     router: Annotated[str, typer.Option("--router", help="routing policy")] = "round_robin",
+    kv_overlap_credit: Annotated[Optional[float], typer.Option(
+        min=0, help="offline kv/approx routing: prefill blocks saved per cached block (default 1)")] = None,
+    kv_queue_weight: Annotated[Optional[float], typer.Option(
+        min=0, help="offline kv/approx routing: weight of prompt work queued on a worker (default 0.5)")] = None,
+    kv_decode_weight: Annotated[Optional[float], typer.Option(
+        min=0, help="offline kv/approx routing: prefill blocks one running request weighs (default 8)")] = None,
+    kv_temperature: Annotated[Optional[float], typer.Option(
+        min=0, help="offline kv/approx routing: 0 = cheapest worker, > 0 = softmax sampling (default 0)")] = None,
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
     start_ms: Optional[float] = None,
@@ -107,8 +115,12 @@ def replay(
                   plot_dir=plots, progress=progress, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms)
     if workers is None:
         workers = 0 if decode_workers else 8
+    kv_weights = {k: v for k, v in (("overlap_credit", kv_overlap_credit), ("queue_weight", kv_queue_weight),
+                                     ("decode_weight", kv_decode_weight), ("temperature", kv_temperature))
+                  if v is not None}
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
+        from kvflow.router.kv_policy import KvPolicyConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
         try:
@@ -124,6 +136,7 @@ def replay(
                                  mocker_config=MockerConfig(speedup_ratio=speedup_ratio),
                                  prefill_workers=prefill_workers, decode_workers=decode_workers, disagg=disagg,
                                  worker_startup_ms=worker_startup_s * 1000.0,
+                                 kv_config=KvPolicyConfig(**kv_weights) if kv_weights else None,
                                  **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
@@ -132,6 +145,9 @@ def replay(
 
         if planner != "none":
             raise typer.BadParameter("--planner runs in offline mode only (online, run `kvflow up --planner sla`)")
+        if kv_weights:
+            raise typer.BadParameter("--kv-* weights configure the offline simulator's router; online, the "
+                                     "deployment's router reads them from its settings (KVFLOW_KV_DECODE_WEIGHT, ...)")
         if prefill_workers or decode_workers:
             raise typer.BadParameter("--prefill-workers/--decode-workers size the offline simulation; online, the "
                                      "deployment's own workers serve (`kvflow up --prefill-workers ...`)")

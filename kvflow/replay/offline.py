@@ -9,6 +9,7 @@ report carries a :class:`~kvflow.replay.report.DisaggSummary`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvflow.replay.report import Report, RequestRecord, build_report, disagg_sum
 from kvflow.replay.simulator import KvEventHook, SimConfig, simulate
 from kvflow.replay.traces import Trace, read_trace
 from kvflow.router.disagg import DisaggConfig
+from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.workers.engines.mocker_core import MockerConfig
 
 __all__ = ["run_offline", "write_outputs", "compare_reports"]
@@ -41,6 +43,10 @@ def write_outputs(report: Report, records: Sequence[RequestRecord], itl_gaps_ms:
         path.write_text(render_markdown(report), encoding="utf-8")
     if plot_dir is not None:
         write_plots(report, latency_samples(records, itl_gaps_ms), plot_dir)
+
+
+def _kv_option(config: SimConfig) -> dict:
+    return {} if config.kv is None else {"kv_weights": dataclasses.asdict(config.kv)}
 
 
 def run_offline(
@@ -72,6 +78,7 @@ def run_offline(
     decode_workers: int = 0,
     disagg: DisaggConfig | None = None,
     worker_startup_ms: float = 0.0,
+    kv_config: KvPolicyConfig | None = None,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -111,6 +118,8 @@ def run_offline(
         disagg: the rule's thresholds (default :class:`DisaggConfig`).
         worker_startup_ms: simulated ms before a worker the planner starts
             takes requests (its replica-hours count from its start).
+        kv_config: weights of the ``kv``/``approx`` cost (default: the
+            policy defaults); recorded in the report's ``options["kv_weights"]``.
 
     Returns:
         The :class:`Report`.
@@ -128,7 +137,8 @@ def run_offline(
     disagg = disagg or DisaggConfig()
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
                        sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
-                       decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms)
+                       decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms,
+                       kv=kv_config)
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")
@@ -144,7 +154,7 @@ def run_offline(
         workers=res.worker_ids, seed=seed, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms,
         block_size=mocker.block_size, total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids),
         busy_ms=res.busy_ms, timeline=res.timeline, wall_time_s=res.wall_time_s,
-        options={**trace.options, "engine_steps": res.steps, "stalled_steps": res.stalls,
+        options={**trace.options, **_kv_option(config), "engine_steps": res.steps, "stalled_steps": res.stalls,
                  "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
@@ -181,7 +191,7 @@ def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig
         sla_itl_ms=sla_itl_ms, block_size=mocker.block_size,
         total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids), busy_ms=res.busy_ms, timeline=res.timeline,
         wall_time_s=time.perf_counter() - t_start,
-        options={**trace.options, "engine_steps": res.steps, "stalled_steps": res.stalls,
+        options={**trace.options, **_kv_option(config), "engine_steps": res.steps, "stalled_steps": res.stalls,
                  "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
     )
     report = report.model_copy(update={

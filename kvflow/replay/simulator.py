@@ -87,7 +87,7 @@ from kvflow.replay.traces import Trace, TraceRequest
 from kvflow.router.disagg import DisaggConfig, place
 from kvflow.router.hashing import compute_block_hashes
 from kvflow.router.index import KvIndex
-from kvflow.router.kv_policy import EVENT_POLICIES
+from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
 from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
 from kvflow.schemas import FinishReason, KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
@@ -158,6 +158,8 @@ class SimConfig:
             until the new worker registers and takes requests (a real
             replica loads its model first); the workers present at start are
             ready at once. Defaults to ``0``.
+        kv: weights of the ``kv``/``approx`` cost (as the live router's
+            ``kv_*`` settings). None = the policy defaults.
     """
 
     workers: int = 8
@@ -171,6 +173,7 @@ class SimConfig:
     decode_workers: int = 0
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     worker_startup_ms: float = 0.0
+    kv: KvPolicyConfig | None = None
 
     def __post_init__(self) -> None:
         if self.worker_startup_ms < 0:
@@ -291,7 +294,7 @@ class Simulation:
         self.kv_hook = kv_hook
         self.planner = planner
         self.progress = progress
-        self.table = RoutingTable()
+        self.table = RoutingTable(kv_config=config.kv)
         if kv_hook is None and config.policy in EVENT_POLICIES:
             # KV-event policies read the index the workers' events build, as in the live router.
             index = KvIndex(self.mocker_config.block_size)

@@ -41,7 +41,7 @@ import faust
 from kvflow.router.disagg import DisaggConfig, decode_role, route_and_forward
 from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
 from kvflow.router.index import KvIndex
-from kvflow.router.kv_policy import EVENT_POLICIES
+from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
 from kvflow.router.projections import follow_topic
 from kvflow.router.shedding import BoundedRequestQueue, QueueFull, ShedConfig, has_free_worker, shed
@@ -131,7 +131,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         table_cleanup_interval=3600.0,
         stream_wait_empty=False,
     )
-    state = RouterApp(app=app, table=RoutingTable(), settings=settings, catalog=catalog,
+    state = RouterApp(app=app, table=RoutingTable(kv_config=KvPolicyConfig.from_settings(settings)),
+                      settings=settings, catalog=catalog,
                       router_id=router_id, policy=policy)
     disagg_config = DisaggConfig.from_settings(settings)
     shed_config = ShedConfig(kv_threshold=settings.shed_kv_threshold,

@@ -143,6 +143,18 @@ class KvPolicyConfig:
     temperature: float = 0.0
     approx_ttl_ms: int = 600_000
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> "KvPolicyConfig":
+        """The weights set by ``settings`` (``kv_overlap_credit``, ``kv_queue_weight``,
+        ``kv_decode_weight``, ``kv_temperature`` of :class:`kvflow.settings.Settings`);
+        the other fields keep their defaults.
+
+        Raises:
+            ValueError: a negative value.
+        """
+        return cls(overlap_credit=settings.kv_overlap_credit, queue_weight=settings.kv_queue_weight,
+                   decode_weight=settings.kv_decode_weight, temperature=settings.kv_temperature)
+
     def __post_init__(self) -> None:
         for name in ("overlap_credit", "host_weight", "disk_weight", "prefill_load_scale", "queue_weight",
                      "decode_weight", "temperature", "approx_ttl_ms"):
@@ -220,7 +232,8 @@ def make_kv_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "kv") ->
     """A ``kv`` policy with ``cfg`` (register it with ``register_policy(name)(...)``).
 
     The policy reads ``table.kv_index`` (a :class:`KvIndex`, or None = cold
-    start, all overlaps 0).
+    start, all overlaps 0); ``table.kv_config``, when set, replaces ``cfg``
+    (how a deployment's settings reach the registered policy).
 
     Raises (when called):
         TypeError: ``table.kv_index`` is neither None nor a :class:`KvIndex`.
@@ -234,7 +247,7 @@ def make_kv_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "kv") ->
             scores = index.find_matches(req.block_hashes)
         else:
             raise TypeError(f"policy {name!r} needs a KvIndex in table.kv_index, found {type(index).__name__}")
-        return _decide(name, req, candidates, scores, cfg)
+        return _decide(name, req, candidates, scores, table.kv_config or cfg)
 
     kv_policy.__doc__ = f"KV-aware cost routing over the event-fed index ({cfg})."
     return kv_policy
@@ -316,7 +329,7 @@ class ApproxKvIndex:
 
 
 def make_approx_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "approx") -> Policy:
-    """An ``approx`` policy with ``cfg``.
+    """An ``approx`` policy with ``cfg`` (``table.kv_config``, when set, replaces it).
 
     Keeps its :class:`ApproxKvIndex` in ``table.kv_index`` (created on first
     use with the first candidate's block size); predictions of workers that
@@ -328,9 +341,10 @@ def make_approx_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "app
     """
 
     def approx_policy(req: RouteRequest, candidates: list[WorkerView], table: RoutingTable) -> RoutingDecision:
+        weights = table.kv_config or cfg
         index = table.kv_index
         if index is None:
-            index = table.kv_index = ApproxKvIndex(candidates[0].block_size, cfg.approx_ttl_ms)
+            index = table.kv_index = ApproxKvIndex(candidates[0].block_size, weights.approx_ttl_ms)
         elif not isinstance(index, ApproxKvIndex):
             raise TypeError(f"policy {name!r} keeps an ApproxKvIndex in table.kv_index, "
                             f"found {type(index).__name__}")
@@ -339,7 +353,7 @@ def make_approx_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "app
                 index.remove_worker(worker_id)
         now_ms = getattr(req, "now_ms", 0)
         scores = index.find_matches(req.block_hashes, now_ms) if req.block_hashes else _NO_SCORES
-        decision = _decide(name, req, candidates, scores, cfg)
+        decision = _decide(name, req, candidates, scores, weights)
         if req.block_hashes:
             chosen = table.workers[decision.worker_id]
             index.record(decision.worker_id, req.block_hashes, now_ms, chosen.kv_total_blocks)

@@ -65,6 +65,9 @@ class RoutingTable:
     workers: dict[str, WorkerView] = field(default_factory=dict)
     rr_cursor: dict[tuple[str, str], int] = field(default_factory=dict)
     kv_index: Any = None
+    kv_config: Any = None
+    """Weights of the ``kv``/``approx`` cost (a :class:`~kvflow.router.kv_policy.KvPolicyConfig`);
+    None = the policy's own (the defaults)."""
     busy: frozenset[str] = frozenset()
     """Workers load shedding marked busy for the decision at hand (never candidates)."""
 
