@@ -34,6 +34,7 @@ import contextlib
 import logging
 import tempfile
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import faust
@@ -176,21 +177,18 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 continue
             routing_table[hb.worker_id] = event.value
 
-    @app.agent(kv_events_topic, name="check_kv_events")
-    async def check_kv_events(stream: faust.StreamT) -> None:
-        async for event in stream.events():
-            try:
-                decode(KvEventBatch, event.value)
-            except RecordError as exc:
-                await dead_letter(event, str(exc))
+    def validator(schema: type) -> Callable[[faust.StreamT], Awaitable[None]]:
+        # Validation only: the readers that act on these records skip the ones that fail here.
+        async def check(stream: faust.StreamT) -> None:
+            async for event in stream.events():
+                try:
+                    decode(schema, event.value)
+                except RecordError as exc:
+                    await dead_letter(event, str(exc))
+        return check
 
-    @app.agent(cancels_topic, name="check_cancels")
-    async def check_cancels(stream: faust.StreamT) -> None:
-        async for event in stream.events():
-            try:
-                decode(CancelRequest, event.value)
-            except RecordError as exc:
-                await dead_letter(event, str(exc))
+    app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
+    app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
 
     async def on_worker_record(msg) -> None:
         try:
