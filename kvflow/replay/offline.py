@@ -22,7 +22,7 @@ from kvflow.replay.compare import compare_reports
 from kvflow.replay.planner_eval import evaluate_planner, replica_hours, worker_lifetimes
 from kvflow.replay.plots import latency_samples, write_plots
 from kvflow.replay.report import Report, RequestRecord, build_report, disagg_summary, render_markdown, write_json
-from kvflow.replay.simulator import KvEventHook, SimConfig, simulate
+from kvflow.replay.simulator import KvEventHook, SimConfig, SimResult, simulate
 from kvflow.replay.traces import Trace, read_trace
 from kvflow.router.disagg import DisaggConfig
 from kvflow.router.kv_policy import KvPolicyConfig
@@ -45,8 +45,11 @@ def write_outputs(report: Report, records: Sequence[RequestRecord], itl_gaps_ms:
         write_plots(report, latency_samples(records, itl_gaps_ms), plot_dir)
 
 
-def _kv_option(config: SimConfig) -> dict:
-    return {} if config.kv is None else {"kv_weights": dataclasses.asdict(config.kv)}
+def _options(trace: Trace, config: SimConfig, res: SimResult) -> dict:
+    """The report's ``options``: the trace's, the kv weights when set, and the run's step counts and profile."""
+    kv = {} if config.kv is None else {"kv_weights": dataclasses.asdict(config.kv)}
+    return {**trace.options, **kv, "engine_steps": res.steps, "stalled_steps": res.stalls,
+            "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}}
 
 
 def run_offline(
@@ -154,8 +157,7 @@ def run_offline(
         workers=res.worker_ids, seed=seed, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms,
         block_size=mocker.block_size, total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids),
         busy_ms=res.busy_ms, timeline=res.timeline, wall_time_s=res.wall_time_s,
-        options={**trace.options, **_kv_option(config), "engine_steps": res.steps, "stalled_steps": res.stalls,
-                 "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
+        options=_options(trace, config, res),
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
     report = report.model_copy(update={"replica_hours": hours})
@@ -191,8 +193,7 @@ def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig
         sla_itl_ms=sla_itl_ms, block_size=mocker.block_size,
         total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids), busy_ms=res.busy_ms, timeline=res.timeline,
         wall_time_s=time.perf_counter() - t_start,
-        options={**trace.options, **_kv_option(config), "engine_steps": res.steps, "stalled_steps": res.stalls,
-                 "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}},
+        options=_options(trace, config, res),
     )
     report = report.model_copy(update={
         "replica_hours": ev.planner.replica_hours,

@@ -399,13 +399,20 @@ def attainment_interval(records: Sequence[RequestRecord], sla_ttft_ms: float, sl
     Raises:
         ValueError: ``window_s`` <= 0, ``level`` outside (0, 1) or ``resamples`` < 1.
     """
+    return _block_bootstrap([r.arrival_ms for r in records], [meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records],
+                            window_s=window_s, level=level, resamples=resamples, seed=seed)
+
+
+def _block_bootstrap(arrival_ms: Sequence[float], met: Sequence[bool], *, window_s: float = 60.0,
+                     level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """:func:`attainment_interval` from each request's arrival (ms) and SLA verdict."""
     if window_s <= 0 or not 0 < level < 1 or resamples < 1:
         raise ValueError("need window_s > 0, 0 < level < 1 and resamples >= 1")
-    if not records:
+    if not arrival_ms:
         return None
-    window = np.array([int(r.arrival_ms // (window_s * 1000.0)) for r in records])
-    met = np.array([meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records], dtype=np.float64)
-    _, window = np.unique(window, return_inverse=True)
+    _, window = np.unique(np.floor_divide(np.asarray(arrival_ms, dtype=np.float64), window_s * 1000.0),
+                          return_inverse=True)
+    met = np.asarray(met, dtype=np.float64)
     n = np.bincount(window).astype(np.float64)
     good = np.bincount(window, weights=met)
     if n.size < 2:
@@ -464,7 +471,8 @@ def build_report(
     prompt = sum(r.isl for r in done)
     cached = sum(r.cached_tokens for r in done)
     out_tokens = sum(r.output_tokens for r in done)
-    good = sum(meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in done)
+    met = [meets_sla(r, sla_ttft_ms, sla_itl_ms) for r in records]  # failed requests never meet it
+    good = sum(met)
     acc = {w: _WorkerAcc() for w in workers}
     for r in done:
         a = acc.setdefault(r.worker_id, _WorkerAcc())
@@ -503,7 +511,7 @@ def build_report(
         block_size=block_size, total_kv_blocks=total_kv_blocks, per_worker=per_worker, timeline=points,
         options=options or {}, wall_time_s=wall_time_s,
         sla_attainment=good / len(records) if records else 0.0,
-        sla_attainment_ci95=attainment_interval(records, sla_ttft_ms, sla_itl_ms),
+        sla_attainment_ci95=_block_bootstrap([r.arrival_ms for r in records], met),
     )
 
 
