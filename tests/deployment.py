@@ -7,10 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
+from aiokafka import TopicPartition
 
-from kvflow.schemas import WorkerRole
+from kvflow.schemas import FinalResponse, ResponseEvent, WorkerRole, decode
 from kvflow.settings import Settings
 from kvflow.streams.broker import free_port
+from kvflow.streams.kafka import make_consumer
 from kvflow.supervisor import Supervisor, WorkerSpec
 
 
@@ -77,3 +79,22 @@ async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str,
             worker.stop()
             await task
         await router.app.stop()
+
+
+async def read_final(settings, catalog, slot: int, request_id: str, timeout_s: float = 10.0) -> FinalResponse:
+    """The final response of ``request_id`` in responses partition ``slot`` (read from its beginning)."""
+    consumer = make_consumer(settings)
+    await consumer.start()
+    try:
+        tp = TopicPartition(catalog.responses.name, slot)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            for msg in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
+                event = decode(ResponseEvent, msg.value)
+                if isinstance(event, FinalResponse) and event.request_id == request_id:
+                    return event
+        raise AssertionError(f"no final response for {request_id} within {timeout_s} s")
+    finally:
+        await consumer.stop()

@@ -21,24 +21,25 @@ import httpx
 import pytest
 import uvicorn
 from aiokafka import TopicPartition
+from deployment import in_process_cluster, read_final, wait_bridge_healthy
 
-from deployment import in_process_cluster, wait_bridge_healthy
 from kvflow.schemas import (
     DeadLetter,
     FinalResponse,
     FinishReason,
     MetricRecord,
-    ResponseEvent,
     SamplingParams,
     TokenDelta,
     WorkerMetrics,
     decode,
+    encode,
 )
 from kvflow.streams.bridge import build_app
 from kvflow.streams.broker import free_port
 from kvflow.streams.kafka import make_consumer, make_producer
+from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig
-from kvflow.workers.worker import Worker
+from kvflow.workers.worker import Worker, WorkerConfig
 
 MODEL = "mock-cancel"
 LONG = 5000
@@ -75,25 +76,6 @@ async def bridge(cluster):
     finally:
         server.should_exit = True
         await task
-
-
-async def read_final(settings, catalog, slot: int, request_id: str, timeout_s: float = 10.0) -> FinalResponse:
-    """The final response of ``request_id`` in responses partition ``slot`` (read from its beginning)."""
-    consumer = make_consumer(settings)
-    await consumer.start()
-    try:
-        tp = TopicPartition(catalog.responses.name, slot)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
-            for msg in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
-                event = decode(ResponseEvent, msg.value)
-                if isinstance(event, FinalResponse) and event.request_id == request_id:
-                    return event
-        raise AssertionError(f"no final response for {request_id} within {timeout_s} s")
-    finally:
-        await consumer.stop()
 
 
 async def read_dead_letters(settings, catalog, count: int, timeout_s: float = 10.0) -> list[DeadLetter]:
@@ -282,6 +264,49 @@ async def test_cancel_of_an_unknown_request_is_harmless(cluster, waiter):
     assert {f.worker_id for f in finals} == {"w0", "w1"}
     assert [w.aborted for w in workers] == [0, 0]
     assert [w.dlq.count for w in workers] == [0, 0]
+
+
+async def test_worker_started_on_a_backlog_aborts_requests_cancelled_before_it_started(cluster, waiter):
+    """Slot 2 has a committed position and, behind it, a request whose cancel
+    was sent while no worker held the slot: the worker started there reads the
+    recent cancels back and answers that request ``abort`` without running it."""
+    settings, catalog, _, client = cluster
+    queue = catalog.queue("aggregated")
+    tp = TopicPartition(queue.name, 2)
+    group = f"{settings.namespace}.worker.aggregated.2"
+    placer = make_consumer(settings, group_id=group, enable_auto_commit=False)
+    await placer.start()
+    try:  # an earlier worker of slot 2 had read up to here
+        placer.assign([tp])
+        end = (await placer.end_offsets([tp]))[tp]
+        await placer.commit({tp: end})
+    finally:
+        await placer.stop()
+    cancelled = client.new_request(MODEL, prompt="cancelled while queued", sampling=SamplingParams(max_tokens=40))
+    kept = client.new_request(MODEL, prompt="still wanted", sampling=SamplingParams(max_tokens=4))
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for req in (cancelled, kept):
+            await producer.send_and_wait(queue.name, encode(req), key=req.request_id.encode(), partition=2)
+    finally:
+        await producer.stop()
+    await client.cancel(cancelled.request_id)
+
+    engine = MockerEngine(MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=1024),
+                          worker_id="w2", model_name=MODEL)
+    late = Worker(settings, WorkerConfig(worker_id="w2", slot=2, model=MODEL), engine, catalog)
+    task = asyncio.create_task(late.run())
+    try:
+        final = await read_final(settings, catalog, client.slot, cancelled.request_id)
+        assert final.finish_reason is FinishReason.abort and final.usage.completion_tokens == 0
+        assert final.worker_id == "w2" and late.aborted == 1
+        other = await read_final(settings, catalog, client.slot, kept.request_id)
+        assert other.finish_reason is FinishReason.length and other.usage.completion_tokens == 4
+        assert engine.kv_stats().prefill_tokens_total == other.usage.prompt_tokens  # the cancelled one never ran
+    finally:
+        late.stop()
+        await task
 
 
 # ---------------------------------------------------------------- malformed cancels

@@ -19,7 +19,9 @@ final response whose ``finish_reason`` is ``abort``; a cancel for an id it
 does not hold is remembered for a while (:data:`CANCELS_REMEMBERED`), so a
 request that reaches this worker after its cancel (a cancel overtaking the
 router, or a disaggregated request forwarded from its prefill worker) is
-answered with ``abort`` at once. A malformed cancel is skipped (counted in
+answered with ``abort`` at once; a worker starting up reads back the most
+recent cancels for the same reason (its queue may already hold requests
+cancelled before it started). A malformed cancel is skipped (counted in
 ``malformed_cancels``); the router dead-letters it, once for the deployment.
 
 Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
@@ -84,6 +86,11 @@ CANCELS_REMEMBERED = 4096
 first. Every worker keeps every such cancel of the deployment; at 100
 cancels/s this covers the last ~40 s, far longer than a request takes to
 reach its worker (milliseconds), at ~100 bytes each."""
+
+CATCH_UP_TIMEOUT_S = 10.0
+"""Longest a starting worker spends reading back recent cancels before it
+takes work (4096 records take milliseconds; the bound is for a broker that
+stalls)."""
 
 
 @dataclass
@@ -165,14 +172,7 @@ class Worker:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
         await self.control.start()
-        # Control topics are read whole (no group) from their current end:
-        # older dump requests and cancels are for requests this new worker never held.
-        control_tps = [TopicPartition(self.catalog.kv_dump_requests.name, 0)] + [
-            TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions)]
-        self.control.assign(control_tps)
-        await self.control.seek_to_end(*control_tps)
-        for tp in control_tps:
-            await self.control.position(tp)
+        await self._position_control()
         if self.config.role is not WorkerRole.aggregated and hasattr(type(self.engine), "kv_layout"):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
@@ -182,6 +182,37 @@ class Worker:
             asyncio.create_task(self._control_listener(), name="control"),
         ]
         log.info("worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model, *self.queue_tp)
+
+    async def _position_control(self) -> None:
+        """Assign the control topics (no group: every worker reads them whole).
+
+        Dump requests are read from their current end: older ones asked a
+        worker that has since gone. Cancels are read back from up to
+        :data:`CANCELS_REMEMBERED` records before their end (split evenly over
+        the partitions) before the worker takes work, so a request already
+        waiting in this slot's queue when the worker starts (a restart, or a
+        slot taken over) is answered ``abort`` without reaching the engine if
+        its cancel came earlier. Offsets, not timestamps, place the rewind:
+        Tansu answers ``offsets_for_times`` with offset 0.
+        """
+        dumps = TopicPartition(self.catalog.kv_dump_requests.name, 0)
+        cancels = [TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions)]
+        self.control.assign([dumps, *cancels])
+        await self.control.seek_to_end(dumps)
+        await self.control.position(dumps)
+        per_partition = max(1, CANCELS_REMEMBERED // len(cancels))
+        ends = await self.control.end_offsets(cancels)
+        starts = await self.control.beginning_offsets(cancels)
+        for tp in cancels:
+            self.control.seek(tp, max(starts[tp], ends[tp] - per_partition))
+        # Read them before taking work, so a cancelled backlog request never reaches the engine.
+        deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+        behind = [tp for tp in cancels if await self.control.position(tp) < ends[tp]]
+        while behind and time.monotonic() < deadline:
+            for records in (await self.control.getmany(*behind, timeout_ms=200)).values():
+                for msg in records:
+                    await self._on_control(msg)
+            behind = [tp for tp in behind if await self.control.position(tp) < ends[tp]]
 
     async def run(self) -> None:
         """Start, consume until :meth:`drain` or :meth:`stop`, then shut down."""
