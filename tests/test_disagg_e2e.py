@@ -20,13 +20,16 @@ import uuid
 
 import httpx
 import pytest
+import torch
 from aiokafka import TopicPartition
+from deployment import read_final
 
 from kvflow.router.disagg import DisaggConfig, Placement, route_and_forward
 from kvflow.router.policies import RouteRequest
 from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     FinalResponse,
+    FinishReason,
     InferenceRequest,
     SamplingParams,
     TokenDelta,
@@ -42,6 +45,7 @@ from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.workers.engines.base import GenerateRequest
 from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig, kv_transfer_time_ms
+from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.worker import Worker, WorkerConfig
 
 MODEL = "mock-model"
@@ -215,6 +219,68 @@ async def test_decode_stage_without_kv_is_prefilled_locally(disagg_cluster):
     assert final.error is None and final.worker_id == "d0"
     assert final.kv_transfer.recomputed and final.kv_transfer.backend == "none"
     assert final.token_ids == await aggregated_reference("nokv-1", ids, 5)
+
+
+async def test_cancel_right_after_the_prefill_is_answered_by_the_prefill_worker(disagg_cluster, waiter):
+    """The cancel lands after the engine finished the prefill (its engine abort
+    comes too late): the prefill worker answers ``abort`` and forwards nothing."""
+    settings, catalog, router, workers, client = disagg_cluster
+    p0, d0 = workers["p0"], workers["d0"]
+    engine_prefill = p0.engine.prefill
+
+    async def prefill_then_cancel(gen):
+        result = await engine_prefill(gen)
+        await client.cancel(gen.request_id)
+        await waiter(lambda: p0.is_cancelled(gen.request_id))
+        return result
+
+    p0.engine.prefill = prefill_then_cancel
+    ids = prompt_ids(d0, "a document cancelled just after its prefill. " * 20)
+    req = client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=8), request_id="late-cancel")
+    final = await client.complete(req)
+    assert router.placements["late-cancel"].plan.remote
+    assert final.finish_reason is FinishReason.abort and final.worker_id == "p0"
+    assert final.usage.completion_tokens == 0 and final.error is None
+    assert p0.aborted == 1
+    # nothing reached the decode queue: a later request is the decode worker's first
+    p0.engine.prefill = engine_prefill
+    after = await client.complete(client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=2)))
+    assert after.finish_reason is FinishReason.length and after.worker_id == "d0"
+    assert d0.served == 1 and d0.aborted == 0
+
+
+async def test_decode_worker_releases_the_kv_of_a_request_cancelled_before_it_arrived(disagg_cluster, waiter):
+    """A forwarded request whose cancel the decode worker already holds is
+    answered ``abort`` on arrival, and its exposed KV is freed at the source
+    then, not when the source's TTL runs out."""
+    settings, catalog, _, workers, client = disagg_cluster
+    d0 = workers["d0"]
+    source = KvTransport("p-src", TransferConfig(backend="tcp", ttl_s=600))
+    await source.start()
+    try:
+        blocks = torch.arange(4 * 64, dtype=torch.uint8)
+        desc = await source.expose("gone-1", blocks, block_bytes=64, num_blocks=4, num_tokens=60, dtype="uint8",
+                                   block_shape=(64,))
+        assert source.num_exposed == 1
+        ids = prompt_ids(d0, "cancelled while its KV waited")
+        stage = DecodeStage(prefill_worker_id="p-src", first_token_id=ids[0], num_prompt_tokens=len(ids), kv=desc)
+        req = client.new_request(MODEL, token_ids=ids, sampling=SamplingParams(max_tokens=5), request_id="gone-1",
+                                 disaggregated_params=stage.to_params())
+        await client.cancel("gone-1")
+        await waiter(lambda: "gone-1" in d0.early_cancels)
+        producer = make_producer(settings)
+        await producer.start()
+        try:
+            await producer.send_and_wait(catalog.queue(WorkerRole.decode).name, encode(req), key=b"gone-1",
+                                         partition=0)
+        finally:
+            await producer.stop()
+        final = await read_final(settings, catalog, client.slot, "gone-1")
+        assert final.finish_reason is FinishReason.abort and final.worker_id == "d0"
+        assert final.usage.completion_tokens == 0
+        await waiter(lambda: source.num_exposed == 0, timeout_s=5)
+    finally:
+        await source.close()
 
 
 def test_bridge_metrics_count_remote_and_local_prefills():

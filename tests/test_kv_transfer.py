@@ -178,6 +178,22 @@ async def test_expired_or_unknown_transfer_is_refused():
         await source.close()
 
 
+async def test_withdrawn_buffer_is_freed_and_refused():
+    source = KvTransport("src", TransferConfig(backend="tcp"))
+    await source.start()
+    transport = await reader("tcp")
+    try:
+        desc = await source.expose("w", np.ones(100, np.uint8))
+        assert source.withdraw(desc.transfer_id) is True
+        assert source.num_exposed == 0 and source.counters.withdrawn == 1
+        assert source.withdraw(desc.transfer_id) is False  # already gone
+        with pytest.raises(TransferError, match="unknown or expired"):
+            await transport.pull(desc, np.zeros(100, np.uint8))
+    finally:
+        await transport.close()
+        await source.close()
+
+
 async def test_handoff_fetches_only_missing_blocks_and_releases():
     source = KvTransport("src", TransferConfig(backend="tcp"))
     await source.start()

@@ -8,7 +8,9 @@
   :class:`~kvflow.workers.kv.transfer.KvTransport`, and forward the request,
   now carrying a ``DecodeStage`` (first token, timings, transfer
   descriptor) and its prompt token ids, to the decode worker's queue
-  partition. Nothing goes to the client from here except an error.
+  partition. Nothing goes to the client from here except an error, or the
+  ``abort`` of a request cancelled while its KV was being exposed (the
+  buffer is then withdrawn at once).
 * :func:`serve_decode` (``DecodeStage``, on a decode or aggregated worker):
   hand the engine a :class:`~kvflow.workers.kv.handoff.KvHandoff`
   (``engine.generate_from_kv``), which pulls the KV the engine lacks and
@@ -20,7 +22,9 @@ Failure handling keeps requests alive: if the prefill worker cannot expose
 its KV, the decode stage carries no descriptor; if the decode engine cannot
 use or pull the KV (no ``generate_from_kv``, layout mismatch, source gone,
 buffer expired), the decode worker prefills the prompt itself and reports
-``recomputed``. An engine without ``prefill`` (vLLM today, see
+``recomputed``. A decode worker that ends a request without pulling its
+KV (cancelled or past its deadline on arrival) tells the source to free it
+(:func:`release_unpulled`). An engine without ``prefill`` (vLLM today, see
 :func:`vllm_kv_transfer_params`) forwards the request unchanged to the
 decode worker, which then prefills locally.
 """
@@ -33,7 +37,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvflow.schemas import InferenceRequest, now_ms
-from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, TransferDescriptor
+from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, TransferDescriptor, parse_stage
 from kvflow.workers.engines.base import EngineOutput, GenerateRequest
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 from kvflow.workers.kv.transfer import TransferError
@@ -41,9 +45,12 @@ from kvflow.workers.kv.transfer import TransferError
 if TYPE_CHECKING:
     from kvflow.workers.worker import Worker
 
-__all__ = ["serve_prefill", "serve_decode", "expose_kv", "vllm_kv_transfer_params"]
+__all__ = ["serve_prefill", "serve_decode", "expose_kv", "release_unpulled", "vllm_kv_transfer_params"]
 
 log = logging.getLogger(__name__)
+
+PULLABLE = ("nixl", "tcp")
+"""Descriptor backends whose source holds a buffer until released (``simulated`` holds none)."""
 
 
 def _generate_request(request: InferenceRequest, prompt_ids: list[int]) -> GenerateRequest:
@@ -91,6 +98,13 @@ async def serve_prefill(worker: Worker, request: InferenceRequest, stage: Prefil
     started = now_ms()
     result: PrefillResult = await engine.prefill(_generate_request(request, prompt_ids))
     descriptor = await expose_kv(worker, request, result)
+    if worker.is_cancelled(request.request_id):
+        # The cancel came after the engine finished (too late for its abort):
+        # nobody will pull this KV, and the client gets its abort from here.
+        if descriptor is not None and descriptor.backend in PULLABLE:
+            (await worker.kv_transport()).withdraw(descriptor.transfer_id)
+        await worker.answer_aborted(request, received_ms)
+        return
     decode = DecodeStage(
         prefill_worker_id=worker.config.worker_id, first_token_id=result.first_token_id,
         num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
@@ -100,6 +114,23 @@ async def serve_prefill(worker: Worker, request: InferenceRequest, stage: Prefil
     )
     forwarded = request.model_copy(update={"disaggregated_params": decode.to_params(), "token_ids": prompt_ids})
     await worker.send_to(stage.decode_queue_topic, stage.decode_queue_partition, key, forwarded)
+
+
+async def release_unpulled(worker: Worker, request: InferenceRequest) -> None:
+    """Let the prefill worker free the KV it exposed for ``request`` when this
+    worker ends the request without pulling it (cancelled, or past its deadline,
+    on arrival). A no-op for requests without a pullable descriptor; never
+    raises (the source's TTL frees the buffer anyway)."""
+    try:
+        stage = parse_stage(request.disaggregated_params)
+    except ValueError:
+        return
+    if not isinstance(stage, DecodeStage) or stage.kv is None or stage.kv.backend not in PULLABLE:
+        return
+    try:
+        await (await worker.kv_transport()).release(stage.kv)
+    except Exception:  # noqa: BLE001 - best effort, see above
+        log.debug("could not release the KV of %s", request.request_id, exc_info=True)
 
 
 async def _prepend(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
@@ -124,7 +155,7 @@ async def serve_decode(worker: Worker, request: InferenceRequest, stage: DecodeS
     prompt_ids = worker.prompt_ids(request)
     engine = worker.engine
     desc = stage.kv
-    pullable = desc is not None and desc.backend in ("nixl", "tcp")
+    pullable = desc is not None and desc.backend in PULLABLE
     transport = await worker.kv_transport() if pullable else None
     sampler_state = base64.b64decode(stage.sampler_state_b64) if stage.sampler_state_b64 else None
     handoff = KvHandoff(stage.first_token_id, stage.num_prompt_tokens, desc, transport, sampler_state)

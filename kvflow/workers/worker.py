@@ -320,7 +320,8 @@ class Worker:
         received = now_ms()
         try:
             if self.is_cancelled(request.request_id):
-                await self._send(request, self._aborted(request, received))
+                await disagg.release_unpulled(self, request)
+                await self.answer_aborted(request, received)
                 return
             await self._generate(request, received)
         except asyncio.CancelledError:
@@ -331,7 +332,7 @@ class Worker:
             raise
         except EngineError as exc:
             if self.is_cancelled(request.request_id):  # e.g. a prefill ended by the cancel's engine abort
-                await self._send(request, self._aborted(request, received))
+                await self.answer_aborted(request, received)
             else:
                 await self._send(request, self._error(request, str(exc), 400, "engine_rejected"))
         except Exception as exc:  # noqa: BLE001 - report, never let one request kill the worker
@@ -340,6 +341,11 @@ class Worker:
         finally:
             self.inflight.pop(request.request_id, None)
             self.served += 1
+
+    async def answer_aborted(self, request: InferenceRequest, received_ms: int) -> None:
+        """Send ``request``'s client the final ``abort`` response of a request
+        that produced no tokens here (cancelled before or right after its prefill)."""
+        await self._send(request, self._aborted(request, received_ms))
 
     def _aborted(self, request: InferenceRequest, received_ms: int) -> FinalResponse:
         return FinalResponse(request_id=request.request_id, finish_reason=FinishReason.abort,
@@ -410,6 +416,7 @@ class Worker:
 
     async def _generate(self, request: InferenceRequest, received_ms: int) -> None:
         if request.deadline_ms is not None and now_ms() > request.deadline_ms:
+            await disagg.release_unpulled(self, request)
             await self._send(request, self._error(request, "deadline passed before the request started", 504,
                                                   "deadline_exceeded"))
             return

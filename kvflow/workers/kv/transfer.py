@@ -228,6 +228,7 @@ class _Counters:
     exposed: int = 0
     released: int = 0
     expired: int = 0
+    withdrawn: int = 0
     bytes_served_tcp: int = 0
 
 
@@ -363,6 +364,13 @@ class KvTransport:
             dtype=dtype, block_shape=list(block_shape), tcp_host=host, tcp_port=self._tcp_port,
             expires_ms=now_ms() + int(self.config.ttl_s * 1000), **nixl_fields,
         )
+
+    def withdraw(self, transfer_id: str) -> bool:
+        """Free an exposed buffer before anyone pulled it (its request was
+        cancelled); False when it is not exposed (released or expired)."""
+        freed = self._free(transfer_id)
+        self.counters.withdrawn += freed
+        return freed
 
     def _free(self, transfer_id: str) -> bool:
         exposure = self._exposures.pop(transfer_id, None)
