@@ -23,13 +23,13 @@ leaves the planner state as it was; the loop keeps ticking.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvflow.aio import cancel_and_wait
 from kvflow.planner.core import (
     PlannerConfig,
     PlannerEffects,
@@ -164,11 +164,8 @@ class PlannerLoop:
 
     async def stop(self) -> None:
         """Stop ticking and close the producer."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.producer.stop()
 
     async def run(self) -> None:

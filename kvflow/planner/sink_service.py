@@ -28,6 +28,7 @@ import time
 
 from aiokafka import TopicPartition
 
+from kvflow.aio import cancel_and_wait
 from kvflow.planner.sink import MetricsSink
 from kvflow.schemas import MetricRecord
 from kvflow.settings import Settings
@@ -102,11 +103,8 @@ class SinkService:
 
     async def stop(self) -> None:
         """Stop consuming, flush and commit what was consumed, close clients."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(Exception):
             await self.flush()
         await self.consumer.stop()

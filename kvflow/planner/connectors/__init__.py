@@ -35,6 +35,7 @@ from typing import Protocol, runtime_checkable
 
 from aiokafka import TopicPartition
 
+from kvflow.aio import cancel_and_wait
 from kvflow.schemas import RecordError, ScalingCommand, WorkerRole, decode, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
@@ -135,11 +136,8 @@ class ConnectorService:
 
     async def stop(self, timeout_s: float = 120.0) -> None:
         """Stop reading, let applies in progress finish (up to ``timeout_s``), close clients."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._queued.clear()
         for task in self._appliers.values():
             task.cancel()  # ends the wait for work; an apply in progress runs on (shielded)

@@ -25,6 +25,7 @@ import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 
+from kvflow.aio import cancel_and_wait
 from kvflow.schemas import FinishReason, KvEvent
 from kvflow.workers.engines.base import (
     Engine,
@@ -143,11 +144,8 @@ class MockerEngine(Engine):
 
     async def stop(self) -> None:
         """Stop the step loop; pending generations end with ``abort``."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for request_id in list(self._queues):
             self.core.abort(request_id)
             self._queues.pop(request_id).put_nowait(EngineOutput([], FinishReason.abort))

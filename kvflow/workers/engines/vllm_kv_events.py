@@ -57,7 +57,6 @@ removals (which carry only vLLM hashes) and later parents translate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -68,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.aio import cancel_and_wait
 from kvflow.router.hashing import chain_sequence_hashes, compute_local_block_hashes
 from kvflow.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvTier
 
@@ -662,11 +662,8 @@ class VllmKvEventSubscriber:
 
     async def stop(self) -> None:
         """Stop the receive task and close the socket (idempotent)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
