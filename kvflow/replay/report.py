@@ -298,8 +298,9 @@ class Report(BaseModel):
     online when unknown. ``wall_time_s`` is how long the replay itself ran.
     ``sla_attainment`` is the fraction of all requests meeting both goodput
     thresholds, ``sla_attainment_ci95`` its 95% block-bootstrap interval
-    (:func:`attainment_interval`; None with under two minutes of arrivals). Offline, ``replica_hours`` is the integral of live workers
-    over the run (hours). With the SLA planner (``planner`` set), the
+    (:func:`attainment_interval`; None with under two minutes of arrivals).
+    Offline, ``replica_hours`` is the integral of live workers over the run
+    (hours). With the SLA planner (``planner`` set), the
     ``static_*`` fields give replica-hours and attainment of the same trace on
     the static-peak and static-mean pools (see :class:`PlannerSummary`).
     ``disagg`` describes a disaggregated offline replay (None otherwise).

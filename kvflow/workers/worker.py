@@ -209,9 +209,7 @@ class Worker:
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
         behind = [tp for tp in cancels if await self.control.position(tp) < ends[tp]]
         while behind and time.monotonic() < deadline:
-            for records in (await self.control.getmany(*behind, timeout_ms=200)).values():
-                for msg in records:
-                    await self._on_control(msg)
+            await self._apply_control(await self.control.getmany(*behind, timeout_ms=200))
             behind = [tp for tp in behind if await self.control.position(tp) < ends[tp]]
 
     async def run(self) -> None:
@@ -569,12 +567,15 @@ class Worker:
                 log.exception("control consumer failed; retrying")
                 await asyncio.sleep(0.5)
                 continue
-            for records in batches.values():
-                for msg in records:
-                    try:
-                        await self._on_control(msg)
-                    except Exception:  # noqa: BLE001 - one record must not stop cancels and dumps
-                        log.exception("control record %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
+            await self._apply_control(batches)
+
+    async def _apply_control(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        for records in batches.values():
+            for msg in records:
+                try:
+                    await self._on_control(msg)
+                except Exception:  # noqa: BLE001 - one record must not stop cancels and dumps
+                    log.exception("control record %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
 
     async def _on_control(self, msg: Any) -> None:
         if msg.topic == self.catalog.cancels.name:
