@@ -32,7 +32,22 @@ class Settings(BaseSettings):
     """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
 
     fetch_max_wait_ms: int = Field(default=5, ge=1)
-    """Fetch long-poll on latency-critical consumers when embedded. Defaults to 5."""
+    """Fetch long-poll of a consumer of the embedded broker while records flow
+    (see :mod:`kvflow.streams.fetch_wait`). Defaults to 5."""
+
+    fetch_idle_wait_ms: int = Field(default=200, ge=1)
+    """Fetch long-poll of an idle consumer of the embedded broker: bounds the
+    extra latency of the first record after a quiet spell, per hop, and sets
+    the idle CPU cost (fewer fetches). Defaults to 200."""
+
+    fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
+    """Fetch long-poll of a consumer of the embedded broker that is behind its
+    partition's end (the broker needs time to assemble the records; with a
+    5 ms wait it answers nothing). Defaults to 250."""
+
+    fetch_active_window_s: float = Field(default=2.0, ge=0)
+    """A consumer that saw latency-critical records this recently polls with
+    ``fetch_max_wait_ms``. Defaults to 2.0."""
 
     session_timeout_ms: int = Field(default=6000, ge=1000)
     """Consumer-group session timeout. Defaults to 6000."""
@@ -63,6 +78,15 @@ class Settings(BaseSettings):
     kv_temperature: float = Field(default=0.0, ge=0)
     """``kv``/``approx`` routing: 0 picks the cheapest worker; > 0 samples by
     softmax over normalised costs. Defaults to 0."""
+
+    stream_flush_tokens: int = Field(default=16, ge=1)
+    """A worker sends a request's buffered tokens as one ``TokenDelta`` once
+    this many are buffered (1: a record per engine output). The first output
+    is never held back. Defaults to 16."""
+
+    stream_flush_ms: float = Field(default=20.0, ge=0)
+    """... or once the oldest buffered token has waited this long, checked at
+    each engine output (ms; 0: a record per engine output). Defaults to 20."""
 
     request_timeout_s: float = Field(default=600.0, gt=0)
     """How long the bridge and client wait for a request's final record. Defaults to 600."""

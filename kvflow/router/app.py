@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import tempfile
 import uuid
@@ -65,7 +66,7 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import bootstrap
+from kvflow.streams.kafka import bootstrap, fetch_wait_policy
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
 
 __all__ = ["RouterApp", "build_router_app"]
@@ -112,7 +113,9 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         raise KeyError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}")
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     if settings.embedded_broker:
-        patch_faust_fetch_wait(settings.fetch_max_wait_ms)
+        hot = {catalog.requests.name}  # only requests make the router's consumer poll fast
+        patch_faust_fetch_wait(settings.fetch_max_wait_ms,
+                               functools.partial(fetch_wait_policy, settings, hot.__contains__))
 
     app = faust.App(
         app_id or f"{settings.namespace}-router",
@@ -232,7 +235,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     @app.task
     async def project_workers() -> None:
-        await follow_topic(settings, catalog.workers, on_worker_record, state.workers_caught_up)
+        await follow_topic(settings, catalog.workers, on_worker_record, state.workers_caught_up, hot=False)
 
     @app.task
     async def project_kv_events() -> None:

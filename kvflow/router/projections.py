@@ -19,7 +19,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
-from kvflow.streams.kafka import make_consumer
+from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, make_consumer
 
 __all__ = ["follow_topic"]
 
@@ -29,16 +29,19 @@ Handler = Callable[[ConsumerRecord], Awaitable[None]]
 
 
 async def follow_topic(settings: Settings, spec: TopicSpec, handler: Handler,
-                       caught_up: asyncio.Event | None = None) -> None:
+                       caught_up: asyncio.Event | None = None, *, hot: bool = True) -> None:
     """Feed every record of ``spec`` (all partitions, from offset 0) to ``handler``.
 
     ``caught_up`` is set after the first fetch that returns nothing, i.e.
     once the history present at start has been folded in. Handler errors are
     logged and skipped (the handler is expected to dead-letter bad records
-    itself). Runs until cancelled.
+    itself). ``hot``: new records put the consumer in its fast-polling mode
+    on the embedded broker (False for background topics such as heartbeats).
+    Runs until cancelled.
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
+    adapt_fetch_wait(consumer, settings, None if hot else NOT_HOT)
     try:
         tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
         consumer.assign(tps)

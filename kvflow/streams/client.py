@@ -5,6 +5,12 @@ topic, which it names as ``reply_to`` on every request it sends; workers
 write that request's token deltas and final response there.
 :meth:`KvflowClient.cancel` asks the workers to abort a request (cancels topic).
 
+The responses reader is supervised: a reader that fails, or that makes no
+progress for ``STALL_S`` while its partition holds unread records, is
+replaced by a new consumer positioned at the first record not yet delivered,
+so no response is skipped or delivered twice; :meth:`KvflowClient.health`
+says whether the reader is keeping up (the bridge's ``/health`` uses it).
+
 Example::
 
     async with KvflowClient(Settings(bootstrap_servers="127.0.0.1:9092")) as c:
@@ -18,8 +24,10 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -41,11 +49,33 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import make_consumer, make_producer
+from kvflow.streams.fetch_wait import wake
+from kvflow.streams.kafka import adapt_fetch_wait, make_consumer, make_producer
 
-__all__ = ["KvflowClient", "RequestTimeout"]
+__all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S"]
 
 log = logging.getLogger(__name__)
+
+STALL_S = 10.0
+"""A responses reader with unread records on its partition and no record
+delivered for this long is restarted (seconds). A healthy reader behind by a
+few thousand records catches up in well under a second."""
+
+
+@dataclass(frozen=True)
+class ReaderHealth:
+    """State of a client's responses reader.
+
+    ``lag`` is unread records on the slot (high watermark − position, from
+    the last fetch; 0 when unknown); ``since_progress_s`` the seconds since
+    the reader last delivered a record or found nothing to read;
+    ``restarts`` how often the supervisor replaced the reader.
+    """
+
+    ok: bool
+    lag: int
+    since_progress_s: float
+    restarts: int
 
 
 class RequestTimeout(TimeoutError):
@@ -70,6 +100,10 @@ class KvflowClient:
         self._consumer = make_consumer(settings)
         self._pending: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._tp = TopicPartition(self.catalog.responses.name, self.slot)
+        self._next_offset: int | None = None  # first record not yet delivered
+        self._progress = time.monotonic()  # last delivery, or last fetch that found the slot read to its end
+        self.reader_restarts = 0
 
     @property
     def reply_to(self) -> ReplyTo:
@@ -79,12 +113,20 @@ class KvflowClient:
     async def start(self) -> None:
         """Connect; responses are read from the current end of the slot on."""
         await self._producer.start()
+        await self._start_consumer(None)
+        self._reader = asyncio.create_task(self._supervise(), name="kvflow-client-reader")
+
+    async def _start_consumer(self, offset: int | None) -> None:
+        """Start ``self._consumer`` on the slot at ``offset`` (None: its end)."""
         await self._consumer.start()
-        tp = TopicPartition(self.catalog.responses.name, self.slot)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_end(tp)
-        await self._consumer.position(tp)
-        self._reader = asyncio.create_task(self._read_responses(), name="kvflow-client-reader")
+        self._consumer.assign([self._tp])
+        if offset is None:
+            await self._consumer.seek_to_end(self._tp)
+        else:
+            self._consumer.seek(self._tp, offset)
+        self._next_offset = await self._consumer.position(self._tp)
+        adapt_fetch_wait(self._consumer, self.settings)
+        self._progress = time.monotonic()
 
     async def stop(self) -> None:
         """Stop reading; pending streams end with :class:`RequestTimeout`."""
@@ -95,6 +137,21 @@ class KvflowClient:
         await self._consumer.stop()
         await self._producer.stop()
 
+    def health(self) -> ReaderHealth:
+        """Whether the responses reader is alive and keeping up (see :class:`ReaderHealth`)."""
+        lag = self._lag()
+        since = time.monotonic() - self._progress
+        alive = self._reader is not None and not self._reader.done()
+        return ReaderHealth(ok=alive and not (lag > 0 and since > STALL_S), lag=lag, since_progress_s=since,
+                            restarts=self.reader_restarts)
+
+    def _lag(self) -> int:
+        with contextlib.suppress(Exception):  # not assigned yet, or mid-restart
+            hw = self._consumer.highwater(self._tp)
+            if hw is not None and self._next_offset is not None:
+                return max(0, hw - self._next_offset)
+        return 0
+
     async def __aenter__(self) -> "KvflowClient":
         await self.start()
         return self
@@ -102,11 +159,47 @@ class KvflowClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    async def _supervise(self) -> None:
+        """Run the reader; replace it (new consumer at the first undelivered
+        record) when it fails or stalls."""
+        while True:
+            reader = asyncio.create_task(self._read_responses(), name="kvflow-client-responses")
+            try:
+                while not reader.done():
+                    await asyncio.wait({reader}, timeout=1.0)
+                    if not reader.done() and self._lag() > 0 and time.monotonic() - self._progress > STALL_S:
+                        log.error("responses reader of slot %d stalled %d records behind at offset %s; restarting",
+                                  self.slot, self._lag(), self._next_offset)
+                        reader.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await reader
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    log.error("responses reader of slot %d failed: %r; restarting at offset %s",
+                              self.slot, reader.exception(), self._next_offset)
+            finally:
+                if not reader.done():
+                    reader.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reader
+            self.reader_restarts += 1
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+            await asyncio.sleep(0.2)
+            self._consumer = make_consumer(self.settings)
+            try:
+                await self._start_consumer(self._next_offset)
+            except Exception:  # noqa: BLE001 - broker unreachable: try again
+                log.exception("cannot restart the responses reader of slot %d", self.slot)
+
     async def _read_responses(self) -> None:
         while True:
-            batches = await self._consumer.getmany(timeout_ms=1000)
+            batches = await self._consumer.getmany(self._tp, timeout_ms=1000)
+            if not batches and self._lag() == 0:
+                self._progress = time.monotonic()
             for records in batches.values():
                 for msg in records:
+                    self._next_offset = msg.offset + 1
+                    self._progress = time.monotonic()
                     queue = self._pending.get(msg.key.decode("utf-8", "replace") if msg.key else "")
                     if queue is None:
                         continue
@@ -142,6 +235,7 @@ class KvflowClient:
         ``key`` (default: the request id) picks the requests partition;
         requests sharing a key reach the router in the order sent.
         """
+        wake(self._consumer)  # its answer will arrive on this client's slot: poll fast
         await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
                                            key=(key or request.request_id).encode())
 

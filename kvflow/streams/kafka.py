@@ -7,6 +7,7 @@ workarounds of :mod:`kvflow.streams.tansu_compat` apply in one place.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
@@ -16,9 +17,11 @@ from aiokafka.errors import TopicAlreadyExistsError
 from kvflow.schemas import DeadLetter, RecordError, decode, encode, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.fetch_wait import FetchWaitPolicy, install
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
-__all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap"]
+__all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
+           "fetch_wait_policy", "adapt_fetch_wait", "NOT_HOT"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -61,6 +64,31 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
     opts.update(consumer_overrides(settings.embedded_broker, settings.fetch_max_wait_ms))
     opts.update(kwargs)
     return AIOKafkaConsumer(*topics, **opts)
+
+
+def NOT_HOT(topic: str) -> bool:
+    """Hot-topic predicate of background consumers: no record makes them poll fast."""
+    return False
+
+
+def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None) -> FetchWaitPolicy:
+    """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`)."""
+    return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=settings.fetch_idle_wait_ms,
+                           catch_up_ms=settings.fetch_catch_up_wait_ms,
+                           active_window_s=settings.fetch_active_window_s, hot=hot)
+
+
+def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
+                     hot: Callable[[str], bool] | None = None) -> FetchWaitPolicy | None:
+    """Give a started consumer of the embedded broker an adaptive fetch wait.
+
+    ``hot``: topics whose records count as activity (None: all; :func:`NOT_HOT`
+    for background consumers). Returns the policy, or None on a real Kafka
+    cluster, whose broker cuts long-polls short and needs none.
+    """
+    if not settings.embedded_broker:
+        return None
+    return install(consumer, fetch_wait_policy(settings, hot))
 
 
 async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:

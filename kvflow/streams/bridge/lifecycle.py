@@ -21,7 +21,7 @@ from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import WorkerRegistry, assign_workers_topic, catch_up, follow_workers
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
-from kvflow.streams.kafka import create_topics, make_consumer, make_producer
+from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
 
 __all__ = ["kafka_bridge_state"]
 
@@ -60,6 +60,7 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
+        adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats are not latency critical
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry)
         follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")

@@ -1,0 +1,105 @@
+"""The adaptive fetch-wait policy (pure) and its hook into aiokafka's fetcher."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from aiokafka import TopicPartition
+
+from kvflow.settings import Settings
+from kvflow.streams.fetch_wait import FetchWaitPolicy, install, wake
+from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, fetch_wait_policy
+
+
+def tp(topic: str, partition: int = 0) -> TopicPartition:
+    return TopicPartition(topic, partition)
+
+
+REQ, HB = tp("requests"), tp("workers")
+
+
+def policy(**kw) -> FetchWaitPolicy:
+    return FetchWaitPolicy(active_ms=5, idle_ms=200, catch_up_ms=250, active_window_s=2.0, **kw)
+
+
+def test_idle_until_records_arrive_then_fast_for_the_window():
+    p = policy()
+    assert p.wait_ms([(REQ, 10, 10)], now=100.0) == 200  # first sight of the watermark is no activity
+    assert p.wait_ms([(REQ, 10, 10)], now=101.0) == 200
+    assert p.wait_ms([(REQ, 11, 11)], now=102.0) == 5  # a record arrived (and was read)
+    assert p.wait_ms([(REQ, 11, 11)], now=103.9) == 5
+    assert p.wait_ms([(REQ, 11, 11)], now=104.1) == 200  # window over
+
+
+def test_behind_the_watermark_waits_long_enough_to_assemble():
+    p = policy()
+    p.wait_ms([(REQ, 0, 0)], now=0.0)
+    assert p.wait_ms([(REQ, 100, 5000)], now=0.1) == 250
+    assert p.wait_ms([(REQ, 5000, 5000)], now=0.2) == 5  # caught up; records flowed
+
+
+def test_unknown_positions_and_watermarks_are_ignored():
+    p = policy()
+    assert p.wait_ms([(REQ, None, None), (REQ, None, 7)], now=0.0) == 200
+
+
+def test_only_hot_topics_count_as_activity():
+    p = policy(hot={"requests"}.__contains__)
+    p.wait_ms([(REQ, 0, 0), (HB, 0, 0)], now=0.0)
+    assert p.wait_ms([(REQ, 0, 0), (HB, 3, 3)], now=1.0) == 200  # heartbeats only
+    assert p.wait_ms([(REQ, 1, 1), (HB, 4, 4)], now=2.0) == 5
+
+
+def test_wake_marks_activity():
+    p = policy()
+    p.wake(10.0)
+    assert p.wait_ms([], now=11.0) == 5
+    assert p.wait_ms([], now=12.5) == 200
+
+
+def test_settings_build_the_policy_and_only_for_the_embedded_broker():
+    s = Settings(bootstrap_servers="x:1", fetch_max_wait_ms=7, fetch_idle_wait_ms=300, fetch_catch_up_wait_ms=400,
+                 fetch_active_window_s=1.5)
+    p = fetch_wait_policy(s, NOT_HOT)
+    assert (p.active_ms, p.idle_ms, p.catch_up_ms, p.active_window_s) == (7, 300, 400, 1.5)
+    assert adapt_fetch_wait(SimpleNamespace(_fetcher=SimpleNamespace()), s) is None  # real Kafka: none
+
+
+def test_install_needs_a_started_consumer():
+    with pytest.raises(RuntimeError):
+        install(SimpleNamespace(), policy())
+    wake(SimpleNamespace())  # no policy: no-op
+
+
+async def test_fetcher_sends_the_policy_wait(kafka):
+    """Against the real embedded broker: the fetch requests carry the policy's wait."""
+    from aiokafka import TopicPartition
+    from aiokafka.consumer.fetcher import Fetcher
+
+    from kvflow.streams.kafka import make_consumer
+
+    kafka_settings, catalog = kafka
+    consumer = make_consumer(kafka_settings)
+    await consumer.start()
+    try:
+        t = TopicPartition(catalog.requests.name, 0)
+        consumer.assign([t])
+        p = adapt_fetch_wait(consumer, kafka_settings)
+        assert isinstance(p, FetchWaitPolicy)
+        seen = []
+        original = Fetcher._get_actions_per_node
+
+        def spy(self, assignment):
+            out = original(self, assignment)
+            seen.extend(req._max_wait_ms for _, req in out[0])
+            return out
+
+        Fetcher._get_actions_per_node = spy
+        try:
+            await consumer.getmany(timeout_ms=500)
+        finally:
+            Fetcher._get_actions_per_node = original
+        assert seen and set(seen) <= {p.idle_ms, p.catch_up_ms, p.active_ms}
+    finally:
+        await consumer.stop()
