@@ -70,6 +70,16 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(default=32768, ge=1)
     """Longest prompt accepted (HTTP 413 above). Defaults to 32768."""
 
+    max_output_tokens: int = Field(default=32768, ge=1, le=1_000_000)
+    """Largest ``max_tokens``/``max_completion_tokens`` the bridge accepts
+    (HTTP 400 above). A request that names none gets 256 output tokens, or
+    what is left of the model's context length if that is less. Prompt plus
+    output must also fit the context length workers advertise. Defaults to 32768."""
+
+    max_request_bytes: int | None = Field(default=None, ge=1024)
+    """Largest HTTP request body the bridge reads (HTTP 413 above). ``None``:
+    64 bytes per ``max_prompt_tokens`` token, at least 1 MiB. Defaults to ``None``."""
+
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 

@@ -60,7 +60,8 @@ class BridgeState:
     :class:`RequestMetrics` (None: not published). ``cancel`` publishes a
     cancel record for a request whose client disconnected before its final
     response (None: the worker finishes such requests). ``max_body_bytes`` bounds
-    the request body (HTTP 413 above); ``retry_after_s`` is the
+    the request body (HTTP 413 above; default ``Settings.max_request_bytes``,
+    else :func:`default_max_body_bytes`); ``retry_after_s`` is the
     ``Retry-After`` of 503 answers, one worker TTL by default: by then a
     starting worker has registered or a dead one has been expired.
     """
@@ -77,7 +78,8 @@ class BridgeState:
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
-            self.max_body_bytes = default_max_body_bytes(self.settings.max_prompt_tokens)
+            self.max_body_bytes = (self.settings.max_request_bytes
+                                   or default_max_body_bytes(self.settings.max_prompt_tokens))
         if self.retry_after_s <= 0:
             self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
         self.metrics.track_workers(self.registry)
