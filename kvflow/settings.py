@@ -6,10 +6,10 @@ explicit keyword arguments (CLI flags). Units are in the field names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
 
@@ -80,6 +80,15 @@ class Settings(BaseSettings):
     """Largest HTTP request body the bridge reads (HTTP 413 above). ``None``:
     64 bytes per ``max_prompt_tokens`` token, at least 1 MiB. Defaults to ``None``."""
 
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(default=(), repr=False)
+    """Bearer keys the HTTP bridge accepts; ``KVFLOW_API_KEYS`` is a
+    comma-separated list. With none here and no ``api_keys_file`` the bridge
+    is open to anyone who can reach it. Defaults to none."""
+
+    api_keys_file: str | None = None
+    """A file of more bridge API keys, one per line (blank lines and lines
+    starting with ``#`` skipped); ``kvflow up --api-keys-file``. Defaults to ``None``."""
+
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 
@@ -125,3 +134,11 @@ class Settings(BaseSettings):
 
     shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
     """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_api_keys(cls, value: Any) -> Any:
+        # KVFLOW_API_KEYS arrives as one string: split it on commas.
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value

@@ -27,6 +27,7 @@ __all__ = [
     "BridgeError",
     "invalid_request",
     "context_length_exceeded",
+    "invalid_api_key",
     "model_not_found",
     "payload_too_large",
     "no_live_workers",
@@ -73,6 +74,12 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def context_length_exceeded(message: str, param: str) -> BridgeError:
     """400: prompt plus requested output does not fit the model's context length."""
     return BridgeError(400, message, "invalid_request_error", code="context_length_exceeded", param=param)
+
+
+def invalid_api_key(message: str) -> BridgeError:
+    """401 with ``WWW-Authenticate: Bearer``: no API key, or not a configured one."""
+    return BridgeError(401, message, "invalid_request_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def model_not_found(model: str) -> BridgeError:

@@ -1,14 +1,15 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (an API key is required when any is configured)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from kvflow.schemas import RequestKind
+from kvflow.streams.bridge.auth import require_api_key
 from kvflow.streams.bridge.pipeline import serve
 from kvflow.streams.bridge.state import BridgeState, get_state
 
-router = APIRouter(tags=["completions"])
+router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/completions")
