@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -27,6 +27,29 @@ class Settings(BaseSettings):
     """True when talking to the embedded Tansu broker: turns on the
     workarounds in :mod:`kvflow.streams.tansu_compat`. Set by whoever starts
     the broker. Defaults to ``False``."""
+
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every kvflow client connects to Kafka (aiokafka's ``security_protocol``);
+    see :mod:`kvflow.streams.kafka_security`. Defaults to ``PLAINTEXT``."""
+
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    """SASL mechanism for ``SASL_PLAINTEXT``/``SASL_SSL``. Defaults to ``PLAIN``."""
+
+    kafka_sasl_plain_username: str | None = None
+    """SASL username (required with a SASL protocol). Defaults to ``None``."""
+
+    kafka_sasl_plain_password: SecretStr | None = None
+    """SASL password (required with a SASL protocol). Defaults to ``None``."""
+
+    kafka_ssl_cafile: str | None = None
+    """PEM file of the CA(s) that signed the brokers' certificates, for
+    ``SSL``/``SASL_SSL``; ``None`` trusts the system CAs. Defaults to ``None``."""
+
+    kafka_ssl_certfile: str | None = None
+    """PEM client certificate (mutual TLS). Defaults to ``None``."""
+
+    kafka_ssl_keyfile: str | None = None
+    """PEM private key of ``kafka_ssl_certfile``. Defaults to ``None``."""
 
     namespace: str = "kvflow"
     """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
