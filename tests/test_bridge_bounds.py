@@ -192,3 +192,18 @@ def test_output_budget_default_respects_a_small_configured_cap():
     with pytest.raises(BridgeError) as exc:
         output_budget(body, 100, max_output_tokens=16, context_length=100, prompt_param="messages")
     assert (exc.value.status, exc.value.code, exc.value.param) == (400, "context_length_exceeded", "messages")
+
+
+async def test_worker_heartbeat_advertises_its_engine_context_length():
+    from kvflow.workers.engines.mocker import MockerEngine
+    from kvflow.workers.worker import Worker, WorkerConfig
+
+    engine = MockerEngine()
+    worker = Worker(Settings(bootstrap_servers="127.0.0.1:1"), WorkerConfig(worker_id="w0", slot=0, model=MODEL),
+                    engine)
+    assert worker._heartbeat_record().context_length is None  # the mocker has no context limit
+    engine.context_length = 8192
+    hb = worker._heartbeat_record()
+    assert hb.context_length == 8192
+    registry = make_state(workers=[hb]).registry
+    assert registry.context_length(MODEL) == 8192
