@@ -59,6 +59,10 @@ def up(
     host: str = "127.0.0.1",
     port: int = 8000,
     bridge: Annotated[bool, typer.Option(help="Serve the OpenAI HTTP bridge (off: Kafka-native clients only).")] = True,
+    api_keys_file: Annotated[Optional[Path], typer.Option(
+        exists=True, dir_okay=False, readable=True,
+        help="Bridge API keys, one per line; clients send `Authorization: Bearer <key>` "
+             "(also KVFLOW_API_KEYS). None: the bridge is open.")] = None,
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = "kvflow",
     policy: Annotated[str, typer.Option(help="Routing policy: kv | approx | least_loaded | round_robin | random.")] = "kv",
@@ -96,7 +100,15 @@ def up(
     if planner not in ("none", "sla"):
         raise typer.BadParameter(f"--planner must be none or sla, not {planner!r}")
     settings = Settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
-                        disagg_prefill_threshold_tokens=disagg_threshold_tokens)
+                        disagg_prefill_threshold_tokens=disagg_threshold_tokens,
+                        **({"api_keys_file": str(api_keys_file)} if api_keys_file else {}))
+    if api_keys_file:
+        from kvflow.streams.bridge.api_keys import read_api_keys_file
+
+        try:
+            read_api_keys_file(api_keys_file)
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
     mocker_args = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
     if engine == "mocker" and mocker_tokenizer:

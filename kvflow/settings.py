@@ -6,10 +6,10 @@ explicit keyword arguments (CLI flags). Units are in the field names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
 
@@ -27,6 +27,29 @@ class Settings(BaseSettings):
     """True when talking to the embedded Tansu broker: turns on the
     workarounds in :mod:`kvflow.streams.tansu_compat`. Set by whoever starts
     the broker. Defaults to ``False``."""
+
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every kvflow client connects to Kafka (aiokafka's ``security_protocol``);
+    see :mod:`kvflow.streams.kafka_security`. Defaults to ``PLAINTEXT``."""
+
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    """SASL mechanism for ``SASL_PLAINTEXT``/``SASL_SSL``. Defaults to ``PLAIN``."""
+
+    kafka_sasl_plain_username: str | None = None
+    """SASL username (required with a SASL protocol). Defaults to ``None``."""
+
+    kafka_sasl_plain_password: SecretStr | None = None
+    """SASL password (required with a SASL protocol). Defaults to ``None``."""
+
+    kafka_ssl_cafile: str | None = None
+    """PEM file of the CA(s) that signed the brokers' certificates, for
+    ``SSL``/``SASL_SSL``; ``None`` trusts the system CAs. Defaults to ``None``."""
+
+    kafka_ssl_certfile: str | None = None
+    """PEM client certificate (mutual TLS). Defaults to ``None``."""
+
+    kafka_ssl_keyfile: str | None = None
+    """PEM private key of ``kafka_ssl_certfile``. Defaults to ``None``."""
 
     namespace: str = "kvflow"
     """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
@@ -94,6 +117,25 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(default=32768, ge=1)
     """Longest prompt accepted (HTTP 413 above). Defaults to 32768."""
 
+    max_output_tokens: int = Field(default=32768, ge=1, le=1_000_000)
+    """Largest ``max_tokens``/``max_completion_tokens`` the bridge accepts
+    (HTTP 400 above). A request that names none gets 256 output tokens, or
+    what is left of the model's context length if that is less. Prompt plus
+    output must also fit the context length workers advertise. Defaults to 32768."""
+
+    max_request_bytes: int | None = Field(default=None, ge=1024)
+    """Largest HTTP request body the bridge reads (HTTP 413 above). ``None``:
+    64 bytes per ``max_prompt_tokens`` token, at least 1 MiB. Defaults to ``None``."""
+
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(default=(), repr=False)
+    """Bearer keys the HTTP bridge accepts; ``KVFLOW_API_KEYS`` is a
+    comma-separated list. With none here and no ``api_keys_file`` the bridge
+    is open to anyone who can reach it. Defaults to none."""
+
+    api_keys_file: str | None = None
+    """A file of more bridge API keys, one per line (blank lines and lines
+    starting with ``#`` skipped); ``kvflow up --api-keys-file``. Defaults to ``None``."""
+
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 
@@ -139,3 +181,11 @@ class Settings(BaseSettings):
 
     shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
     """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_api_keys(cls, value: Any) -> Any:
+        # KVFLOW_API_KEYS arrives as one string: split it on commas.
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value

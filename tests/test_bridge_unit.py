@@ -39,6 +39,8 @@ from kvflow.schemas import (
     Usage,
     WorkerHeartbeat,
     WorkerStatus,
+    decode,
+    encode,
 )
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
 from kvflow.settings import Settings
@@ -312,6 +314,30 @@ def test_registry_tracks_models_expiry_and_tokenizer():
     assert reg.model_state(MODEL) is ModelState.unavailable and reg.tokenizer_spec(MODEL) is None
     reg.apply(heartbeat("w2", model="other", ts_ms=NOW_MS + 2000, status=WorkerStatus.stopped))
     assert reg.live_workers() == [] and reg.model_state("other") is ModelState.unavailable
+
+
+def test_registry_context_length_is_the_smallest_live_one():
+    clock = Clock()
+    reg = WorkerRegistry(clock=clock)
+    assert reg.context_length(MODEL) is None
+    reg.apply(heartbeat("w1", context_length=8192))
+    reg.apply(heartbeat("w2", context_length=4096, ts_ms=NOW_MS + 3000))
+    reg.apply(heartbeat("w3"))  # advertises none: does not lower the bound
+    reg.apply(heartbeat("w4", model="other", context_length=100))
+    assert reg.context_length(MODEL) == 4096 and reg.context_length("other") == 100
+    reg.apply(heartbeat("w2", context_length=None, ts_ms=NOW_MS + 3001))  # stopped advertising it
+    assert reg.context_length(MODEL) == 8192
+    reg.apply(heartbeat("w2", context_length=2048, ts_ms=NOW_MS + 3002))
+    clock.ms = NOW_MS + 5001  # w1, w3 and w4 expired
+    assert reg.context_length(MODEL) == 2048 and reg.context_length("other") is None
+    assert set(reg.context_lengths) == {"w2"}
+
+
+def test_heartbeat_without_context_length_decodes_as_unknown():
+    old = heartbeat().model_dump(exclude={"context_length"})
+    assert decode(WorkerHeartbeat, json.dumps(old)).context_length is None
+    hb = heartbeat(context_length=8192)
+    assert decode(WorkerHeartbeat, encode(hb)).context_length == 8192
 
 
 def test_draining_worker_does_not_count_as_serving():

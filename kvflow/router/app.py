@@ -67,6 +67,7 @@ from kvflow.schemas import (
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import bootstrap, fetch_wait_policy
+from kvflow.streams.kafka_security import faust_security
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
 
 __all__ = ["RouterApp", "build_router_app"]
@@ -101,9 +102,12 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     ``app_id`` is the Faust app id = consumer group; router replicas that
     split the request stream share one id. Start it with
     ``await router.app.start()`` (or ``faust worker`` style via the CLI).
+    The app connects with the settings' Kafka TLS/SASL
+    (:func:`kvflow.streams.kafka_security.faust_security`).
 
     Raises:
         KeyError: ``policy`` is not a registered policy.
+        ValueError: a SASL protocol without username and password.
     """
     from kvflow.router.policies import POLICIES
 
@@ -134,6 +138,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         topic_disable_leader=True,
         table_cleanup_interval=3600.0,
         stream_wait_empty=False,
+        **faust_security(settings),
     )
     state = RouterApp(app=app, table=RoutingTable(kv_config=KvPolicyConfig.from_settings(settings)),
                       settings=settings, catalog=catalog,

@@ -2,15 +2,27 @@
 
 Fields follow the OpenAI Chat Completions and Completions API references;
 unknown request fields are ignored (clients send many optional ones).
+Request bodies carry their static bounds (ranges, counts, lengths), so a
+body that validates can always be turned into a request record and the
+OpenAPI schema states the bounds; limits that depend on the deployment
+(configured maxima, the model's context length) are checked by the bridge
+(:mod:`kvflow.streams.bridge.bounds`).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
+from kvflow.schemas.requests import MAX_STOP_SEQUENCES, MAX_TOKENS_LIMIT
+
 __all__ = [
+    "MAX_STOP_CHARS",
+    "INT64_MIN",
+    "INT64_MAX",
+    "INT32_MIN",
+    "INT32_MAX",
     "StreamOptions",
     "ChatCompletionRequest",
     "CompletionRequest",
@@ -30,6 +42,25 @@ __all__ = [
     "ModelCard",
     "ModelList",
 ]
+
+
+MAX_STOP_CHARS = 256
+"""Longest stop string accepted (characters). Workers hold back up to this
+much streamed text while it could still become a stop string."""
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Range of ``seed`` (OpenAI: a 64-bit integer)."""
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""Range of ``priority`` and of prompt token ids."""
+
+_STOP_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string", "maxLength": MAX_STOP_CHARS},
+    {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP_SEQUENCES},
+    {"type": "null"},
+]}
+
+MaxTokens = Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)]
 
 
 class StreamOptions(BaseModel):
@@ -61,26 +92,33 @@ class _Message(BaseModel):
 class _SamplingBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: list[str] | None = Field(default=None, json_schema_extra=_STOP_SCHEMA)
+    """One string or a list of them; held as a list."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     user: str | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     ignore_eos: bool = False
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+    def _stop_list(cls, v: Any) -> list[str] | None:
+        # Checked here rather than by the field type so every stop error
+        # names the ``stop`` field itself, whichever form was sent.
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return stops
 
 
@@ -88,17 +126,28 @@ class ChatCompletionRequest(_SamplingBody):
     """POST /v1/chat/completions body (text messages only).
 
     ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
+    ``logprobs``/``top_logprobs`` are typed and bounded as OpenAI documents
+    them but only their "off" values are served.
     """
 
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(_SamplingBody):
-    """POST /v1/completions body (one prompt string)."""
+    """POST /v1/completions body: one prompt, as text or as token ids.
 
-    prompt: str | list[int]
+    ``logprobs``, ``best_of`` and ``suffix`` are typed and bounded as OpenAI
+    documents them but only their "off" values are served.
+    """
+
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1, le=20)
+    suffix: str | None = None
 
 
 class ErrorBody(BaseModel):

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvflow.schemas.base import Record
 
 __all__ = [
+    "MAX_TOKENS_LIMIT",
+    "MAX_STOP_SEQUENCES",
     "ChatMessage",
     "SamplingParams",
     "ReplyTo",
@@ -17,6 +19,13 @@ __all__ = [
     "RequestKind",
     "InferenceRequest",
 ]
+
+
+MAX_TOKENS_LIMIT = 1_000_000
+"""Largest ``max_tokens`` a request record may carry (output tokens)."""
+
+MAX_STOP_SEQUENCES = 16
+"""Most stop strings a request record may carry."""
 
 
 class ChatMessage(BaseModel):
@@ -35,11 +44,11 @@ class SamplingParams(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
-    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     ignore_eos: bool = False
 
 

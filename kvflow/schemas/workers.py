@@ -50,6 +50,11 @@ class WorkerHeartbeat(Record):
     :func:`kvflow.workers.tokenizer.load_tokenizer`) that producers use to
     pre-tokenize this worker's requests."""
     block_size: int = Field(ge=1)
+    context_length: int | None = Field(default=None, ge=1)
+    """Longest sequence (prompt plus output tokens) the worker's engine
+    accepts; ``None`` when the engine does not say (the bridge then applies
+    only its configured limits). Added without a schema version bump: older
+    readers ignore it, older workers leave it out."""
     kv_total_blocks: int = Field(ge=0)
     kv_used_blocks: int = Field(ge=0, default=0)
     queue_topic: str

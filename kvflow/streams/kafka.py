@@ -1,7 +1,8 @@
 """aiokafka clients configured for kvflow, topic creation, and dead-lettering.
 
 Every kvflow process builds its Kafka clients here, so the embedded-broker
-workarounds of :mod:`kvflow.streams.tansu_compat` apply in one place.
+workarounds of :mod:`kvflow.streams.tansu_compat` and the connection
+security of :mod:`kvflow.streams.kafka_security` apply in one place.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvflow.schemas import DeadLetter, RecordError, decode, encode, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import FetchWaitPolicy, install
+from kvflow.streams.kafka_security import client_security
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
 __all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
@@ -40,8 +42,10 @@ def bootstrap(settings: Settings) -> str:
 
 
 def make_producer(settings: Settings, **kwargs: Any) -> AIOKafkaProducer:
-    """An un-started producer: low linger, no idempotence on the embedded broker."""
+    """An un-started producer: low linger, no idempotence on the embedded broker,
+    TLS/SASL as the settings say; ``kwargs`` override any of it."""
     opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": 0, "client_id": "kvflow"}
+    opts.update(client_security(settings))
     opts.update(producer_overrides(settings.embedded_broker))
     opts.update(kwargs)
     return AIOKafkaProducer(**opts)
@@ -51,6 +55,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
     """An un-started consumer tuned for latency (short fetch wait on Tansu).
 
     With no ``topics`` the caller assigns partitions itself (``assign``).
+    TLS/SASL as the settings say; ``kwargs`` override any of it.
     """
     opts: dict[str, Any] = {
         "bootstrap_servers": bootstrap(settings),
@@ -61,6 +66,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
         "heartbeat_interval_ms": max(100, settings.session_timeout_ms // 6),
         "client_id": "kvflow",
     }
+    opts.update(client_security(settings))
     opts.update(consumer_overrides(settings.embedded_broker, settings.fetch_max_wait_ms))
     opts.update(kwargs)
     return AIOKafkaConsumer(*topics, **opts)
@@ -97,7 +103,8 @@ async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:
     Existing topics are left as they are (their partition counts must match
     the catalog; a mismatch is logged as an error).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap(settings), client_id="kvflow-admin")
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap(settings), client_id="kvflow-admin",
+                                **client_security(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

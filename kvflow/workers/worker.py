@@ -525,6 +525,7 @@ class Worker:
         return WorkerHeartbeat(
             worker_id=self.config.worker_id, role=self.config.role, status=self.status, model=self.config.model,
             engine=self.engine.name, tokenizer=self.config.tokenizer, block_size=stats.block_size,
+            context_length=self.engine.context_length,
             kv_total_blocks=stats.total_blocks, kv_used_blocks=stats.used_blocks,
             queue_topic=self.queue_tp.topic, queue_partition=self.queue_tp.partition,
             active_requests=stats.active_requests, waiting_requests=stats.waiting_requests,

@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from kvflow.settings import Settings
+from kvflow.streams.bridge.api_keys import configured_api_keys, log_auth_mode
 from kvflow.streams.bridge.errors import install_error_handlers
 from kvflow.streams.bridge.lifecycle import kafka_bridge_state
+from kvflow.streams.bridge.openapi import install_openapi
 from kvflow.streams.bridge.routes import chat, completions, health, models
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.catalog import Catalog
@@ -30,6 +32,7 @@ def _assemble(lifespan: Callable[[FastAPI], Any] | None) -> FastAPI:
     install_error_handlers(app)
     for module in (chat, completions, models, health):
         app.include_router(module.router)
+    install_openapi(app)
     return app
 
 
@@ -38,8 +41,15 @@ def build_app(settings: Settings, catalog: Catalog | None = None, *, slot: int |
     """The bridge app; its lifespan connects to Kafka on startup and
     disconnects on shutdown (see :func:`kafka_bridge_state` for ``slot`` and
     ``ensure_topics``). ``catalog`` defaults to ``Catalog(settings.namespace)``.
+    ``/v1`` routes require one of the configured API keys (none: open, and
+    a warning is logged).
+
+    Raises:
+        OSError, ValueError: ``settings.api_keys_file`` cannot be read or
+            holds no key (checked here, before any connection).
     """
     catalog = catalog or Catalog(settings.namespace)
+    log_auth_mode(configured_api_keys(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +66,7 @@ def build_app(settings: Settings, catalog: Catalog | None = None, *, slot: int |
 def build_app_for_state(state: BridgeState) -> FastAPI:
     """The same routes over an existing :class:`BridgeState`, with no Kafka
     lifespan (the caller owns the state's parts)."""
+    log_auth_mode(state.api_keys or frozenset())
     app = _assemble(None)
     app.state.bridge = state
     return app

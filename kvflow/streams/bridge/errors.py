@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +26,8 @@ from kvflow.schemas.openai import ErrorBody, ErrorResponse
 __all__ = [
     "BridgeError",
     "invalid_request",
+    "context_length_exceeded",
+    "invalid_api_key",
     "model_not_found",
     "payload_too_large",
     "no_live_workers",
@@ -67,6 +71,17 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return BridgeError(400, message, "invalid_request_error", code=code, param=param)
 
 
+def context_length_exceeded(message: str, param: str) -> BridgeError:
+    """400: prompt plus requested output does not fit the model's context length."""
+    return BridgeError(400, message, "invalid_request_error", code="context_length_exceeded", param=param)
+
+
+def invalid_api_key(message: str) -> BridgeError:
+    """401 with ``WWW-Authenticate: Bearer``: no API key, or not a configured one."""
+    return BridgeError(401, message, "invalid_request_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
 def model_not_found(model: str) -> BridgeError:
     """404: no worker has ever served ``model`` since this bridge started."""
     return BridgeError(404, f"The model `{model}` does not exist or is not served by any worker.",
@@ -101,21 +116,51 @@ def from_error_info(info: ErrorInfo) -> BridgeError:
     return BridgeError(status, info.message, info.type, code=info.code, headers=headers)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "any"})
+
+
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    """The field path of a pydantic error location: ``body`` and the type
+    tags pydantic adds for union members (``str``, ``list[int]``,
+    ``constrained-str``...) left out, list indices kept."""
+    path = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
+            path.append(part)
+    return path
+
+
+def _most_specific(errors: Sequence[Any]) -> Any:
+    """The error to report: among those on the first bad field, the deepest.
+
+    A value that fails every member of a union gets one error per member;
+    the deepest one is from the member whose shape matched (a list with
+    one bad item rather than "not a string").
+    """
+    field = _field_path(errors[0].get("loc", ()))[:1]
+    same = [e for e in errors if _field_path(e.get("loc", ()))[:1] == field]
+    return max(same, key=lambda e: len(e.get("loc", ())))
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> BridgeError:
     """400 for a pydantic/FastAPI validation failure, naming the first bad field.
 
-    ``n`` above 1 gets a message saying multiple choices are unsupported
-    rather than pydantic's bare bound message.
+    ``param`` is the dotted field path (``messages.0.content``). ``n``
+    above 1 gets a message saying multiple choices are unsupported rather
+    than pydantic's bare bound message.
     """
     errors = exc.errors()
     if not errors:
         return invalid_request("Invalid request body.")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _most_specific(errors)
+    loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return invalid_request(f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    if loc == ["n"]:
+    value = first.get("input")
+    if loc == ["n"] and isinstance(value, int) and not isinstance(value, bool) and value > 1:
         return invalid_request("Only n=1 is supported (one choice per request).", param="n", code="unsupported")
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:

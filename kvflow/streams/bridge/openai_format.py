@@ -9,10 +9,10 @@ streamed chunks. No I/O here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from kvflow.schemas import (
@@ -81,12 +81,16 @@ class ResponseMeta:
 def parse_body(raw: bytes, schema: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
     """Parse JSON bytes into ``schema``; returns (model, the raw JSON object).
 
+    The parser is strict where Python's ``json`` is lenient: ``NaN`` and
+    ``Infinity`` literals, invalid UTF-8, lone surrogate escapes (text no
+    tokenizer can encode) and nesting deeper than 200 levels are invalid JSON.
+
     Raises:
         BridgeError: 400 if the bytes are not a JSON object or fail ``schema``.
     """
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
         raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid_request("Request body must be a JSON object.", code="invalid_json")
@@ -138,13 +142,16 @@ def chat_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
     return out
 
 
-def sampling_params(body: Body) -> SamplingParams:
+def sampling_params(body: Body, max_tokens: int | None = None) -> SamplingParams:
     """OpenAI sampling fields → :class:`SamplingParams`.
 
-    ``max_completion_tokens`` (chat) wins over ``max_tokens``; neither given
-    keeps the :class:`SamplingParams` default.
+    ``max_tokens`` (output tokens), when given, is the cap the bridge
+    settled on (:func:`kvflow.streams.bridge.bounds.output_budget`);
+    otherwise ``max_completion_tokens`` (chat) wins over ``max_tokens``, and
+    neither given keeps the :class:`SamplingParams` default.
     """
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
         "stop": body.stop or [], "ignore_eos": body.ignore_eos,
@@ -155,17 +162,18 @@ def sampling_params(body: Body) -> SamplingParams:
 
 
 def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, token_ids: list[int],
-                         created_ms: int, timeout_s: float,
-                         messages: list[ChatMessage] | None = None) -> InferenceRequest:
+                         created_ms: int, timeout_s: float, messages: list[ChatMessage] | None = None,
+                         max_tokens: int | None = None) -> InferenceRequest:
     """Build the record the bridge produces for ``body``.
 
     ``token_ids`` (shape [ISL]) is the pre-tokenized prompt; ``messages`` is
     required for chat bodies (see :func:`chat_messages`). ``deadline_ms`` is
     ``created_ms + timeout_s`` so workers drop requests the bridge gave up on.
+    ``max_tokens`` overrides the body's output cap (see :func:`sampling_params`).
     """
     common: dict[str, Any] = {
         "request_id": request_id, "model": body.model, "token_ids": token_ids,
-        "sampling": sampling_params(body), "reply_to": reply_to, "created_ms": created_ms,
+        "sampling": sampling_params(body, max_tokens), "reply_to": reply_to, "created_ms": created_ms,
         "deadline_ms": created_ms + int(timeout_s * 1000), "priority": body.priority,
     }
     if isinstance(body, ChatCompletionRequest):

@@ -2,8 +2,9 @@
 
 Steps, in order: read the body (size limit) → parse and validate → check the
 model against the live-worker projection (404/503) → pre-tokenize with the
-workers' tokenizer (413 over ``max_prompt_tokens``) → build the
-:class:`InferenceRequest` → send it through the response source and wait for
+workers' tokenizer (413 over ``max_prompt_tokens``) → settle the output cap
+against the configured maximum and the model's context length (400,
+:mod:`kvflow.streams.bridge.bounds`) → build the :class:`InferenceRequest` → send it through the response source and wait for
 the first record → answer with one JSON object or an SSE stream.
 
 Waiting for the first record before answering means failures that happen
@@ -32,6 +33,7 @@ from fastapi import Request, Response
 from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, RequestKind, TokenDelta, now_ms
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
 from kvflow.streams.bridge.body import read_body
+from kvflow.streams.bridge.bounds import output_budget
 from kvflow.streams.bridge.disconnect import ClientDisconnected, cancel_upstream, unless_disconnected
 from kvflow.streams.bridge.errors import (
     BridgeError,
@@ -104,10 +106,28 @@ async def _load_tokenizer(state: BridgeState, spec: str) -> Any:
                           "server_error", code="tokenizer_unavailable") from None
 
 
+def _template_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no chat templates without jinja2
+        return ()
+    return (TemplateError,)
+
+
 async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: Any) -> tuple[list[int], str]:
-    """Prompt ids (shape [ISL]) and the echo text of ``body``."""
+    """Prompt ids (shape [ISL]) and the echo text of ``body``.
+
+    Raises:
+        BridgeError: 400 when the model's chat template rejects the
+            conversation (e.g. roles that do not alternate), or a prompt
+            token id is outside the vocabulary.
+    """
     if messages is not None:
-        return await encode_chat(tokenizer, messages), ""
+        try:
+            return await encode_chat(tokenizer, messages), ""
+        except _template_errors() as exc:
+            raise invalid_request(f"The model's chat template rejects these messages: {exc}",
+                                  param="messages") from None
     assert isinstance(body, CompletionRequest)
     if isinstance(body.prompt, str):
         ids = await encode_prompt(tokenizer, body.prompt)
@@ -123,9 +143,9 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) 
     """Read, validate and tokenize one HTTP request into an :class:`InferenceRequest`.
 
     Raises:
-        BridgeError: 400 bad body/unsupported feature, 404 unknown model,
-            413 body or prompt too large, 503 no live worker, 500 tokenizer
-            cannot be loaded.
+        BridgeError: 400 bad body/unsupported feature/output cap over a
+            limit, 404 unknown model, 413 body or prompt too large, 503 no
+            live worker, 500 tokenizer cannot be loaded.
     """
     raw = await read_body(http_request, state.max_body_bytes)
     body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
@@ -134,16 +154,19 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) 
     tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
     token_ids, echo_text = await _tokenize(body, messages, tokenizer)
     limit = state.settings.max_prompt_tokens
+    prompt_param = "messages" if messages is not None else "prompt"
     if len(token_ids) > limit:
-        raise payload_too_large(f"The prompt has {len(token_ids)} tokens; the limit is {limit}.",
-                                param="messages" if messages is not None else "prompt")
+        raise payload_too_large(f"The prompt has {len(token_ids)} tokens; the limit is {limit}.", param=prompt_param)
     if not token_ids:
         raise invalid_request("The prompt is empty.", param="prompt")
+    max_tokens = output_budget(body, len(token_ids), max_output_tokens=state.settings.max_output_tokens,
+                               context_length=state.registry.context_length(body.model), prompt_param=prompt_param)
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     created_ms = now_ms()
     request = to_inference_request(body, request_id=request_id, reply_to=state.source.reply_to,
                                    token_ids=token_ids, created_ms=created_ms,
-                                   timeout_s=state.settings.request_timeout_s, messages=messages)
+                                   timeout_s=state.settings.request_timeout_s, messages=messages,
+                                   max_tokens=max_tokens)
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
 

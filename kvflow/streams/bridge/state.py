@@ -17,6 +17,7 @@ from fastapi import Request
 
 from kvflow.schemas import CancelReason, FinalResponse, InferenceRequest, ReplyTo, RequestMetrics, TokenDelta
 from kvflow.settings import Settings
+from kvflow.streams.bridge.api_keys import configured_api_keys
 from kvflow.streams.bridge.metrics import BridgeMetrics
 from kvflow.streams.bridge.tokenizers import TokenizerCache
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
@@ -60,9 +61,12 @@ class BridgeState:
     :class:`RequestMetrics` (None: not published). ``cancel`` publishes a
     cancel record for a request whose client disconnected before its final
     response (None: the worker finishes such requests). ``max_body_bytes`` bounds
-    the request body (HTTP 413 above); ``retry_after_s`` is the
+    the request body (HTTP 413 above; default ``Settings.max_request_bytes``,
+    else :func:`default_max_body_bytes`); ``retry_after_s`` is the
     ``Retry-After`` of 503 answers, one worker TTL by default: by then a
     starting worker has registered or a dead one has been expired.
+    ``api_keys`` are the bearer keys ``/v1`` routes accept (default: those
+    the settings configure, :func:`configured_api_keys`; empty: open).
     """
 
     settings: Settings
@@ -74,10 +78,14 @@ class BridgeState:
     cancel: Callable[[str, CancelReason], Awaitable[None]] | None = None
     max_body_bytes: int = 0
     retry_after_s: float = 0.0
+    api_keys: frozenset[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_keys is None:
+            self.api_keys = configured_api_keys(self.settings)
         if self.max_body_bytes <= 0:
-            self.max_body_bytes = default_max_body_bytes(self.settings.max_prompt_tokens)
+            self.max_body_bytes = (self.settings.max_request_bytes
+                                   or default_max_body_bytes(self.settings.max_prompt_tokens))
         if self.retry_after_s <= 0:
             self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
         self.metrics.track_workers(self.registry)

@@ -47,13 +47,16 @@ class WorkerRegistry:
     ``clock`` returns epoch ms; workers silent longer than their ``ttl_ms``
     are expired lazily on every read, so answers never rely on a timer task.
     ``models_seen`` maps model → epoch seconds of its first heartbeat (the
-    ``created`` field of ``/v1/models``).
+    ``created`` field of ``/v1/models``). ``context_lengths`` maps worker id
+    → the context length (tokens) its last heartbeat advertised, for the
+    workers that advertise one.
     """
 
     clock: Callable[[], int] = now_ms
     table: RoutingTable = field(default_factory=RoutingTable)
     tokenizer_specs: dict[str, str] = field(default_factory=dict)
     models_seen: dict[str, int] = field(default_factory=dict)
+    context_lengths: dict[str, int] = field(default_factory=dict)
 
     def apply(self, hb: WorkerHeartbeat) -> None:
         """Fold one heartbeat in (stale ones are ignored, ``stopped`` removes)."""
@@ -61,14 +64,18 @@ class WorkerRegistry:
         if hb.worker_id in self.table.workers:
             if self.table.workers[hb.worker_id].last_seen_ms == hb.ts_ms:
                 self.tokenizer_specs[hb.worker_id] = hb.tokenizer
+                if hb.context_length is None:
+                    self.context_lengths.pop(hb.worker_id, None)
+                else:
+                    self.context_lengths[hb.worker_id] = hb.context_length
         else:
-            self.tokenizer_specs.pop(hb.worker_id, None)
+            self._forget(hb.worker_id)
         self.models_seen.setdefault(hb.model, hb.ts_ms // 1000)
 
     def live_workers(self) -> list[WorkerView]:
         """Serving workers after expiring the silent ones, sorted by id."""
         for worker_id in expire_workers(self.table, self.clock()):
-            self.tokenizer_specs.pop(worker_id, None)
+            self._forget(worker_id)
         return sorted((w for w in self.table.workers.values() if w.status == WorkerStatus.serving),
                       key=lambda w: w.worker_id)
 
@@ -89,6 +96,18 @@ class WorkerRegistry:
             if w.model == model:
                 return self.tokenizer_specs.get(w.worker_id, "bytes")
         return None
+
+    def context_length(self, model: str) -> int | None:
+        """The context length (tokens) a request for ``model`` must fit: the
+        smallest one its live serving workers advertise (the router may pick
+        any of them), or None if none advertises one."""
+        lengths = [self.context_lengths[w.worker_id] for w in self.live_workers()
+                   if w.model == model and w.worker_id in self.context_lengths]
+        return min(lengths, default=None)
+
+    def _forget(self, worker_id: str) -> None:
+        self.tokenizer_specs.pop(worker_id, None)
+        self.context_lengths.pop(worker_id, None)
 
 
 def _apply_records(registry: WorkerRegistry, batches: dict) -> int:

@@ -85,11 +85,17 @@ class Engine(abc.ABC):
 
     Lifecycle: ``await start()``, then any number of concurrent
     ``generate()`` iterations, then ``await stop()``.
+
+    ``context_length`` is the longest sequence (prompt plus output tokens)
+    the loaded model accepts, known after ``start()``; ``None`` when the
+    engine has no such limit or cannot tell. Workers advertise it on their
+    heartbeats so the bridge can reject requests that cannot fit.
     """
 
     name: str = "base"
     model_name: str = ""
     block_size: int = 16
+    context_length: int | None = None
     kv_event_sink: KvEventSink | None = None
 
     @abc.abstractmethod

@@ -359,7 +359,9 @@ class HfEngine(Engine):
         if not layers or any(type(layer) is not DynamicLayer for layer in layers):
             raise EngineError(f"{resolved.name}: only full-attention models are supported by the hf engine")
         self._num_layers = len(layers)
-        self._max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self._max_model_len = positions or 1 << 30
+        self.context_length = positions or None
         self._vocab_size = int(cfg.vocab_size)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

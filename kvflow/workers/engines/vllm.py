@@ -279,6 +279,8 @@ class VllmEngine(Engine):
         except Exception as exc:
             await self._close_subscriber()
             raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
+        max_len = getattr(getattr(self._engine, "model_config", None), "max_model_len", None)
+        self.context_length = int(max_len) if isinstance(max_len, int) and max_len > 0 else None
 
     def _build(self, model_path: str) -> Any:
         from vllm import AsyncEngineArgs

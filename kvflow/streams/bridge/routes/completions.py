@@ -1,14 +1,18 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (an API key is required when any is configured)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from kvflow.schemas import RequestKind
+from kvflow.schemas.openai import CompletionResponse
+from kvflow.streams.bridge.auth import require_api_key
+from kvflow.streams.bridge.openapi import ERROR_RESPONSES
 from kvflow.streams.bridge.pipeline import serve
 from kvflow.streams.bridge.state import BridgeState, get_state
 
-router = APIRouter(tags=["completions"])
+router = APIRouter(tags=["completions"], dependencies=[Depends(require_api_key)],
+                   responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
 
 
 @router.post("/v1/completions")

@@ -1,4 +1,5 @@
-"""GET /health (readiness), /live (liveness) and /metrics (Prometheus)."""
+"""GET /health (readiness), /live (liveness) and /metrics (Prometheus); open
+to probes and scrapers even when API keys are configured."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
-"""GET /v1/models and /v1/models/{model}: models served by live workers."""
+"""GET /v1/models and /v1/models/{model}: models served by live workers
+(an API key is required when any is configured)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
 from kvflow.schemas.openai import ModelCard, ModelList
+from kvflow.streams.bridge.auth import require_api_key
 from kvflow.streams.bridge.errors import model_not_found
 from kvflow.streams.bridge.state import BridgeState, get_state
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
 def _card(state: BridgeState, model: str) -> ModelCard:
