@@ -39,6 +39,14 @@ def test_behind_the_watermark_waits_long_enough_to_assemble():
     assert p.wait_ms([(REQ, 5000, 5000)], now=0.2) == 5  # caught up; records flowed
 
 
+def test_a_partition_stuck_short_of_its_watermark_stops_counting_as_behind():
+    p = policy()
+    assert p.wait_ms([(REQ, 0, 1)], now=0.0) == 250
+    assert p.wait_ms([(REQ, 0, 1)], now=4.9) == 250
+    assert p.wait_ms([(REQ, 0, 1)], now=5.1) == 200  # position never moved: not worth waiting for
+    assert p.wait_ms([(REQ, 1, 3)], now=6.0) == 250  # it moved: behind again
+
+
 def test_unknown_positions_and_watermarks_are_ignored():
     p = policy()
     assert p.wait_ms([(REQ, None, None), (REQ, None, 7)], now=0.0) == 200

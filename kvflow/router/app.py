@@ -17,8 +17,9 @@ Faust agents (consumer group, so each record is handled once per group):
   request with its :class:`~kvflow.schemas.RoutingDecision` to the worker's
   queue partition. With no worker it answers the caller directly with an
   error :class:`~kvflow.schemas.FinalResponse` (HTTP 503 semantics).
-- ``track_workers`` keeps the ``routing-table`` GlobalTable (changelogged:
-  the last heartbeat of every worker) and dead-letters malformed heartbeats.
+- ``track_workers`` dead-letters malformed heartbeats (every replica folds
+  the workers topic itself, from its beginning; no changelogged table is
+  kept, since nothing read it and each heartbeat cost a changelog write).
 - ``check_kv_events`` dead-letters malformed KV event batches.
 - ``check_cancels`` dead-letters malformed cancel records. Every worker
   reads the whole cancels topic and skips them, so each bad record is
@@ -158,10 +159,6 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
     kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
-    routing_table = app.GlobalTable(
-        "routing-table", key_type=str, value_type=bytes,
-        partitions=catalog.workers.partitions, help="worker id -> last heartbeat record",
-    )
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
         state.counters["dead_lettered"] += 1
@@ -175,16 +172,6 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         log.warning("dead-lettering %s@%d: %s", msg.topic, msg.offset, error[:200])
         await app.producer.send(catalog.dead_letter.name, msg.topic.encode(), encode(record), None, None, None)
 
-    @app.agent(workers_topic, name="track_workers")
-    async def track_workers(stream: faust.StreamT) -> None:
-        async for event in stream.events():
-            try:
-                hb = decode(WorkerHeartbeat, event.value)
-            except RecordError as exc:
-                await dead_letter(event, str(exc))
-                continue
-            routing_table[hb.worker_id] = event.value
-
     def validator(schema: type) -> Callable[[faust.StreamT], Awaitable[None]]:
         # Validation only: the readers that act on these records skip the ones that fail here.
         async def check(stream: faust.StreamT) -> None:
@@ -195,6 +182,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                     await dead_letter(event, str(exc))
         return check
 
+    app.agent(workers_topic, name="track_workers")(validator(WorkerHeartbeat))
     app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
 

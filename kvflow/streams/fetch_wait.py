@@ -15,7 +15,10 @@ therefore wrong both ways:
 
 :class:`FetchWaitPolicy` picks the wait before each fetch request from what
 the consumer knows: behind the high watermark → ``catch_up_ms`` (room to
-assemble records); records on a latency-critical ("hot") partition within
+assemble records), unless that partition's position has not moved for
+``stuck_after_s`` (Tansu leaves some partitions one record short of their
+watermark for ever, e.g. a Faust changelog partition at 0 of 1; the response
+reader's supervisor handles a reader that is really stuck); records on a latency-critical ("hot") partition within
 ``active_window_s`` → ``active_ms``; otherwise ``idle_ms``. The first record
 after an idle period therefore pays up to ``idle_ms`` on each hop whose
 consumer was idle; under traffic every hop runs at ``active_ms``.
@@ -55,8 +58,10 @@ class FetchWaitPolicy:
     idle_ms: int = 200
     catch_up_ms: int = 250
     active_window_s: float = 2.0
+    stuck_after_s: float = 5.0
     hot: Callable[[str], bool] | None = None
     _last_hw: dict[Any, int] = field(default_factory=dict)
+    _moved: dict[Any, tuple[int, float]] = field(default_factory=dict)  # tp -> (position, when it last changed)
     _last_activity: float = -math.inf
 
     def wake(self, now: float) -> None:
@@ -69,14 +74,19 @@ class FetchWaitPolicy:
 
         ``partitions`` are the consumer's assigned partitions. A hot
         partition whose high watermark grew since the last call marks
-        activity; any partition with ``position < highwater`` is behind.
+        activity; a partition with ``position < highwater`` whose position
+        moved within ``stuck_after_s`` is behind.
         """
         behind = False
         for tp, position, highwater in partitions:
             if highwater is None:
                 continue
-            if position is not None and position < highwater:
-                behind = True
+            if position is not None:
+                moved = self._moved.get(tp)
+                if moved is None or moved[0] != position:
+                    moved = self._moved[tp] = (position, now)
+                if position < highwater and now - moved[1] < self.stuck_after_s:
+                    behind = True
             last = self._last_hw.get(tp)
             self._last_hw[tp] = highwater
             if last is not None and highwater > last and (self.hot is None or self.hot(tp.topic)):

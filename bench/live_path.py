@@ -1,0 +1,270 @@
+"""The live path under load: `kvflow up` (mocker workers) driven by AIPerf at trace timing.
+
+Starts `kvflow up --engine mocker` (embedded broker, router, bridge, N worker
+processes) as a child process group, then:
+
+1. idle: CPU seconds of every kvflow process and the broker over ``--idle-s``
+   with no traffic (after a settle period);
+2. load: the first ``--requests`` of a Mooncake trace replayed with AIPerf
+   (fixed schedule, streaming chat, server token counts: the same command the
+   Dynamo comparison uses), measuring answered requests, TTFT/ITL and CPU
+   seconds per process group per 1,000 output tokens;
+3. stages: read back from the topics, per request, where the time before the
+   first token went: bridge → router (``routing.decided_ms − created_ms``),
+   router → worker (``queued_ms − decided_ms``), worker queue
+   (``started_ms − queued_ms``), engine to first token
+   (``first_token_ms − started_ms``), and records on the responses topic.
+
+    python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
+        [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
+
+AIPerf comes from ``$KVFLOW_AIPERF`` or ``.venv-aiperf/bin/aiperf`` (docs/aiperf.md).
+Last stdout line: one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = ROOT / "examples" / "traces" / "mooncake_conversation_first40min.jsonl"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` (0..100) of ``values`` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def groups(up: psutil.Process) -> dict[str, list[psutil.Process]]:
+    """The deployment's processes by role: ``broker``, ``bridge_router`` (the
+    `kvflow up` process itself), ``workers``."""
+    out: dict[str, list[psutil.Process]] = {"broker": [], "bridge_router": [up], "workers": []}
+    for child in up.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "tansu" in cmd:
+            out["broker"].append(child)
+        elif "kvflow worker" in cmd:
+            out["workers"].append(child)
+    return out
+
+
+def cpu_seconds(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """User + system CPU seconds so far, per group."""
+    out = {}
+    for name, members in procs.items():
+        total = 0.0
+        for p in members:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        out[name] = total
+    return out
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """``b − a`` per key, rounded to 0.01 s."""
+    return {k: round(b[k] - a[k], 2) for k in a}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    """Wait until the bridge's /health answers 200.
+
+    Raises:
+        RuntimeError: `kvflow up` exited or did not become healthy in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvflow up exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("kvflow up did not become healthy")
+
+
+def find_aiperf() -> str | None:
+    """The aiperf executable: ``$KVFLOW_AIPERF``, else the repo's ``.venv-aiperf``."""
+    exe = os.environ.get("KVFLOW_AIPERF")
+    if exe and Path(exe).exists():
+        return exe
+    local = ROOT / ".venv-aiperf" / "bin" / "aiperf"
+    return str(local) if local.exists() else None
+
+
+def stage_breakdown(bootstrap: str, namespace: str) -> dict:
+    """Per-stage latency percentiles (ms) from the requests and responses topics."""
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    async def read_all(topic: str) -> list:
+        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=500)
+        await c.start()
+        try:
+            parts = c.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in parts]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            out, empty = [], 0
+            while empty < 3:
+                batch = await c.getmany(timeout_ms=1000, max_records=20000)
+                empty = 0 if batch else empty + 1
+                for recs in batch.values():
+                    out.extend(recs)
+            return out
+        finally:
+            await c.stop()
+
+    async def main() -> dict:
+        created = {}
+        for msg in await read_all(f"{namespace}.requests"):
+            try:
+                rec = json.loads(msg.value)
+                created[rec["request_id"]] = rec.get("created_ms", 0)
+            except (ValueError, KeyError, TypeError):
+                pass
+        responses = await read_all(f"{namespace}.responses")
+        stages: dict[str, list[float]] = {"bridge_to_router": [], "router_to_worker": [], "worker_queue": [],
+                                          "engine_to_first_token": [], "created_to_first_token": []}
+        deltas = finals = 0
+        for msg in responses:
+            try:
+                rec = json.loads(msg.value)
+            except ValueError:
+                continue
+            if rec.get("type") == "delta":
+                deltas += 1
+                continue
+            finals += 1
+            t, r = rec.get("timings") or {}, rec.get("routing") or {}
+            c = created.get(rec.get("request_id"))
+            if not c or not t.get("first_token_ms") or not r.get("decided_ms"):
+                continue
+            stages["bridge_to_router"].append(r["decided_ms"] - c)
+            stages["router_to_worker"].append(t["queued_ms"] - r["decided_ms"])
+            stages["worker_queue"].append(t["started_ms"] - t["queued_ms"])
+            stages["engine_to_first_token"].append(t["first_token_ms"] - t["started_ms"])
+            stages["created_to_first_token"].append(t["first_token_ms"] - c)
+        out = {k: {"p50": pct(v, 50), "p99": pct(v, 99), "mean": round(statistics.fmean(v), 1) if v else None}
+               for k, v in stages.items()}
+        out["responses_records"] = {"deltas": deltas, "finals": finals}
+        return out
+
+    return asyncio.run(main())
+
+
+def py_spy(procs: dict[str, list[psutil.Process]], out_dir: Path, seconds: int) -> list[subprocess.Popen]:
+    """Start py-spy flame-graph recordings of the bridge+router process and the first worker."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, p in (("bridge_router", procs["bridge_router"][0]), ("worker", (procs["workers"] or [None])[0])):
+        if p is None:
+            continue
+        spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", str(seconds),
+                                       "--rate", "50", "--output", str(out_dir / f"live_path_{name}.svg")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return spies
+
+
+def main() -> None:
+    """Run the bench; prints the figures as JSON on the last line."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--speedup-ratio", type=float, default=1.0)
+    ap.add_argument("--policy", default="kv")
+    ap.add_argument("--port", type=int, default=8300)
+    ap.add_argument("--idle-s", type=float, default=60.0)
+    ap.add_argument("--settle-s", type=float, default=10.0)
+    ap.add_argument("--py-spy-dir", type=Path, default=None)
+    ap.add_argument("--py-spy-s", type=int, default=60)
+    ap.add_argument("--max-input-length", type=int, default=None)
+    args = ap.parse_args()
+
+    aiperf = find_aiperf()
+    if aiperf is None:
+        sys.exit("aiperf not found: set KVFLOW_AIPERF (docs/aiperf.md)")
+    work = Path(tempfile.mkdtemp(prefix="kvflow-live-path-"))
+    url = f"http://127.0.0.1:{args.port}"
+    env = {**os.environ, "KVFLOW_STATE_FILE": str(work / "up.json"), "KVFLOW_DATA_DIR": str(work / "data"),
+           "KVFLOW_MAX_PROMPT_TOKENS": "200000", "KVFLOW_AIPERF": aiperf}
+    kvflow = str(Path(sys.executable).parent / "kvflow")
+    up = subprocess.Popen([kvflow, "up", "--engine", "mocker", "--workers", str(args.workers),
+                           "--policy", args.policy, "--mocker-tokenizer", "SmolLM2-135M-Instruct",
+                           "--speedup-ratio", str(args.speedup_ratio), "--port", str(args.port)],
+                          env=env, stdout=open(work / "up.log", "w"), stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL, start_new_session=True)
+    result: dict = {"requests": args.requests, "workers": args.workers, "trace": args.trace.name,
+                    "speedup_ratio": args.speedup_ratio, "policy": args.policy}
+    try:
+        wait_healthy(url, up)
+        procs = groups(psutil.Process(up.pid))
+        state = json.loads((work / "up.json").read_text())
+        time.sleep(args.settle_s)
+        c0 = cpu_seconds(procs)
+        time.sleep(args.idle_s)
+        idle = delta(c0, cpu_seconds(procs))
+        result["idle_cpu_pct_of_one_core"] = round(100 * sum(idle.values()) / args.idle_s, 2)
+        result["idle_cpu_s"] = idle
+
+        spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
+        c0 = cpu_seconds(procs)
+        t0 = time.monotonic()
+        cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
+               "--artifact-dir", str(work / "aiperf")]
+        if args.max_input_length:
+            cmd += ["--max-input-length", str(args.max_input_length)]
+        rc = subprocess.call(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
+        load_s = time.monotonic() - t0
+        load = delta(c0, cpu_seconds(procs))
+        for spy in spies:
+            spy.wait(timeout=args.py_spy_s + 60)
+        export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
+        out_tokens = export.get("total_osl", {}).get("avg") or export["output_sequence_length"]["sum"]
+        result.update({
+            "aiperf_rc": rc, "load_wall_s": round(load_s, 1),
+            "answered": int(export["request_count"]["avg"]),
+            "errors": int((export.get("error_request_count") or {}).get("avg", 0)),
+            "ttft_ms_p50": export["time_to_first_token"]["p50"], "ttft_ms_p99": export["time_to_first_token"]["p99"],
+            "itl_ms_p50": export["inter_token_latency"]["p50"], "itl_ms_p99": export["inter_token_latency"]["p99"],
+            "output_tokens": out_tokens, "load_cpu_s": load,
+            "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
+        })
+        result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
+        result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+    result["work_dir"] = str(work)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
