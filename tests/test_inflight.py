@@ -376,3 +376,26 @@ def test_a_burst_is_still_spread_before_any_record_comes_back():
         chosen.append(d.worker_id)
     assert sorted(chosen) == sorted(itertools.chain.from_iterable([w] * 2 for w in ("w0", "w1", "w2", "w3")))
 
+
+# ---- the offline simulator folds the same records -----------------------------------------------
+
+@pytest.mark.parametrize("disagg", [False, True])
+def test_simulator_feeds_the_tracker_and_ends_with_nothing_held(disagg):
+    from kvflow.replay.simulator import SimConfig, Simulation
+    from kvflow.replay.traces import TraceRequest
+    from kvflow.workers.engines.mocker_core import MockerConfig
+
+    shared = tuple(range(1, 1025))
+    trace = [TraceRequest(request_id=f"r{i}", index=i, arrival_ms=i * 5.0, isl=1024 + 64 * (i % 3), osl=4,
+                          token_ids=shared + tuple(range(5000 + 100 * i, 5000 + 100 * i + 64 * (i % 3))))
+             for i in range(24)]
+    config = SimConfig(workers=0 if disagg else 3, prefill_workers=2 if disagg else 0,
+                       decode_workers=2 if disagg else 0, policy="kv",
+                       mocker=MockerConfig(block_size=64, num_kv_blocks=2048))
+    sim = Simulation(trace, config)
+    result = sim.run()
+    assert all(r.error is None for r in result.records)
+    states = sim.table.inflight.workers
+    assert set(states) == set(sim.workers)
+    assert all(s.held() == 0 and s.seq_read == sim.workers[w].lifecycle_seq for w, s in states.items())
+    assert sim.table.inflight.reconciled == 0
