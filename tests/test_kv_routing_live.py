@@ -8,6 +8,7 @@ from aiokafka import TopicPartition
 
 from kvflow.router.app import build_router_app
 from kvflow.router.hashing import compute_block_hashes
+from kvflow.router.inflight import kv_lagging
 from kvflow.schemas import (
     BlockStored,
     InferenceRequest,
@@ -136,7 +137,7 @@ async def test_event_gap_triggers_dump_request(kafka, waiter):
         await producer.stop()
 
 
-async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka):
+async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
     settings, catalog = kafka
     settings = settings.model_copy(update={"routing_policy": "kv"})
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "1", "--block-size", str(BS),
@@ -150,6 +151,14 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka):
         long_a = "alpha " * 300
         long_b = "bravo " * 300
         await wait_bridge_healthy(sup.url)
+        table = sup.router.table
+
+        def kv_folded() -> bool:
+            # every request ended, and the index holds the KV events published before their finish records
+            index = table.kv_index
+            return (index is not None and all(s.held() == 0 for s in table.inflight.workers.values())
+                    and not kv_lagging(table, index.last_event_id))
+
         async with httpx.AsyncClient(base_url=sup.url, timeout=60) as http:
 
             def body(text, max_tokens):
@@ -157,11 +166,11 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka):
 
             # A occupies one worker while B arrives, so B lands on the other one
             first_a = asyncio.create_task(http.post("/v1/chat/completions", json=body(long_a, 600)))
-            await asyncio.sleep(1.0)
+            await waiter(lambda: any(s.admitted for s in table.inflight.workers.values()), timeout_s=30)
             first_b = (await http.post("/v1/chat/completions", json=body(long_b, 4))).json()
             first_a = (await first_a).json()
             assert first_a["kvflow"]["worker_id"] != first_b["kvflow"]["worker_id"]
-            await asyncio.sleep(1.0)  # KV events reach the router
+            await waiter(kv_folded, timeout_s=30)
             again_b = (await http.post("/v1/chat/completions", json=body(long_b, 4))).json()
             again_a = (await http.post("/v1/chat/completions", json=body(long_a, 4))).json()
         for first, again in ((first_a, again_a), (first_b, again_b)):

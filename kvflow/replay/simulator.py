@@ -3,7 +3,9 @@
 No broker, no wall clock. Trace arrivals are routed by the real routing code
 (:func:`kvflow.router.policies.select_worker` over a
 :class:`~kvflow.router.table.RoutingTable` refreshed from each simulated
-worker's load just before every decision, as heartbeats would) to N
+worker's load just before every decision, as heartbeats would, and fed the
+same in-flight records a live worker publishes — request routed, taken,
+ended — through :mod:`kvflow.router.inflight`) to N
 :class:`~kvflow.workers.engines.mocker_core.MockerCore` engines, each stepping
 on a simulated clock:
 
@@ -53,10 +55,12 @@ the live final response reports it); ``worker_id`` is the decode worker,
 ``prefill_worker_id`` the prefill worker, ``scheduled_ms`` the start of its
 first prefill step, ``kv_transfer_ms``/``kv_transfer_tokens`` the modelled
 transfer. Until its KV arrives a remote request is on no decode engine, so
-its decode worker's load leaves it out while it prefills and transfers: the
-live worker's heartbeat does too, and the live router's routed-since-heartbeat
-count holds it only until the next heartbeat, which the simulator refreshes
-before every decision. With both aggregated and decode workers, the live
+its decode worker's heartbeat figures leave it out while it prefills and
+transfers, as the live worker's do; the router counts it on the decode worker
+from its routing (as a request the heartbeat leaves out, with no prompt
+work) until the decode worker takes it at the transfer's end, as the live
+router does until the decode worker's admission record (or for at most the
+worker's heartbeat TTL, 5 s). With both aggregated and decode workers, the live
 rule sends nothing to the aggregated ones; with aggregated and prefill
 workers only, the aggregated workers are the decode targets.
 
@@ -89,8 +93,18 @@ from kvflow.router.hashing import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
-from kvflow.router.table import RoutingTable, apply_heartbeat, note_routed
-from kvflow.schemas import FinishReason, KvEvent, SamplingParams, WorkerHeartbeat, WorkerRole, WorkerStatus
+from kvflow.router.inflight import apply_inflight_record, expire_inflight, note_routed_request
+from kvflow.router.table import RoutingTable, apply_heartbeat
+from kvflow.schemas import (
+    FinishReason,
+    KvEvent,
+    RequestAdmitted,
+    RequestFinished,
+    SamplingParams,
+    WorkerHeartbeat,
+    WorkerRole,
+    WorkerStatus,
+)
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 
@@ -185,7 +199,9 @@ class SimWorker:
     """One simulated worker: its engine core and step bookkeeping.
 
     ``unstarted`` holds routed request ids not yet admitted by a step, in
-    arrival order (the core admits first-come first-served).
+    arrival order (the core admits first-come first-served). ``held`` are
+    the requests it took and has not ended (what its in-flight records
+    said); ``lifecycle_seq`` numbers those records, as a live worker does.
     """
 
     worker_id: str
@@ -198,6 +214,8 @@ class SimWorker:
     draining: bool = False
     steps: int = 0
     ready_ms: float = 0.0  # registers with the router (takes requests) from then on
+    held: set[str] = field(default_factory=set)
+    lifecycle_seq: int = 0
 
 
 @dataclass
@@ -371,7 +389,24 @@ class Simulation:
             model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,
             kv_used_blocks=s.used_blocks, queue_topic="sim", queue_partition=0, active_requests=s.active_requests,
             waiting_requests=s.waiting_requests, active_prefill_tokens=s.active_prefill_tokens,
+            ts_ms=int(self.now_ms), lifecycle_seq=w.lifecycle_seq, inflight_requests=len(w.held)))
+
+    def _admitted(self, w: SimWorker, request: GenerateRequest, prefill_tokens: int) -> None:
+        """``w`` took ``request`` (its :class:`RequestAdmitted`, folded at once)."""
+        w.held.add(request.request_id)
+        apply_inflight_record(self.table, RequestAdmitted(
+            worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request.request_id,
+            prompt_tokens=len(request.prompt_token_ids), prefill_tokens=max(0, prefill_tokens),
             ts_ms=int(self.now_ms)))
+        w.lifecycle_seq += 1
+
+    def _finished(self, w: SimWorker, request_id: str) -> None:
+        """``request_id`` ended on ``w`` (its :class:`RequestFinished`, folded at once)."""
+        w.held.discard(request_id)
+        apply_inflight_record(self.table, RequestFinished(
+            worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request_id,
+            ts_ms=int(self.now_ms)))
+        w.lifecycle_seq += 1
 
     # ---- events ----------------------------------------------------------
 
@@ -395,6 +430,7 @@ class Simulation:
         rec = self._records[req.request_id]
         for w in self.workers.values():
             self._heartbeat(w)
+        expire_inflight(self.table, int(self.now_ms))
         tokens = req.prompt_token_ids()
         route = RouteRequest(request_id=req.request_id, model=self.config.model, isl=req.isl,
                              block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else (),
@@ -407,11 +443,14 @@ class Simulation:
         except NoWorkerAvailable as exc:
             self._fail(rec, str(exc))
             return
-        note_routed(self.table, decision.worker_id)
         w = self.workers[decision.worker_id]
+        uncached = req.isl - decision.overlap_blocks * w.core.config.block_size
+        note_routed_request(self.table, w.worker_id, req.request_id, prompt_tokens=req.isl,
+                            prefill_tokens=uncached, now_ms=int(self.now_ms))
         rec.worker_id = w.worker_id
         self._enqueue(w, rec, GenerateRequest(req.request_id, tokens,
-                                              SamplingParams(max_tokens=req.osl, ignore_eos=True)))
+                                              SamplingParams(max_tokens=req.osl, ignore_eos=True)),
+                      prefill_tokens=uncached)
 
     def _dispatch_disagg(self, req: TraceRequest, rec: RequestRecord, route: RouteRequest,
                          tokens: list[int]) -> None:
@@ -425,28 +464,36 @@ class Simulation:
         self._plans[plan.reason] += 1
         rec.worker_id = decode_id
         request = GenerateRequest(req.request_id, tokens, SamplingParams(max_tokens=req.osl, ignore_eos=True))
-        if not plan.remote:
-            note_routed(self.table, decode_id)  # as kvflow.router.disagg.forward counts it
-            self._enqueue(self.workers[decode_id], rec, request)
+        now, rid = int(self.now_ms), req.request_id
+        if not plan.remote:  # counted as kvflow.router.disagg.forward counts it
+            decode = self.workers[decode_id]
+            uncached = req.isl - placement.decision.overlap_blocks * decode.core.config.block_size
+            note_routed_request(self.table, decode_id, rid, prompt_tokens=req.isl, prefill_tokens=uncached,
+                                now_ms=now)
+            self._enqueue(decode, rec, request, prefill_tokens=uncached)
             return
         prefill_id = plan.prefill.worker_id
-        note_routed(self.table, prefill_id)
-        note_routed(self.table, decode_id)
+        note_routed_request(self.table, prefill_id, rid, prompt_tokens=req.isl, prefill_tokens=req.isl, now_ms=now)
+        note_routed_request(self.table, decode_id, rid, prompt_tokens=req.isl, prefill_tokens=0, now_ms=now)
         rec.prefill_worker_id = prefill_id
-        self._prefilling[req.request_id] = _Handoff(decode_id, request)
-        one = GenerateRequest(req.request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
-        if not self._enqueue(self.workers[prefill_id], rec, one):
-            del self._prefilling[req.request_id]
+        self._prefilling[rid] = _Handoff(decode_id, request)
+        one = GenerateRequest(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        if not self._enqueue(self.workers[prefill_id], rec, one, prefill_tokens=req.isl):
+            del self._prefilling[rid]
+            self._finished(self.workers[decode_id], rid)
 
     def _enqueue(self, w: SimWorker, rec: RequestRecord, request: GenerateRequest, *,
-                 kv_imported: bool = False) -> bool:
+                 kv_imported: bool = False, prefill_tokens: int = 0) -> bool:
         """Add ``request`` to ``w``'s core and make sure a step is coming; False (and the
-        record failed) if the engine rejects it."""
+        record failed, the request ended on ``w``) if the engine rejects it.
+        ``prefill_tokens``: the prompt tokens the admission record says ``w`` computes."""
         try:
             w.core.add_request(request, kv_imported=kv_imported)
         except EngineError as exc:
+            self._finished(w, request.request_id)
             self._fail(rec, str(exc))
             return False
+        self._admitted(w, request, prefill_tokens)
         w.unstarted.append(request.request_id)
         if not w.stepping:
             w.stepping = True
@@ -484,6 +531,7 @@ class Simulation:
         prefilling = self._prefilling
         for rid, out in res.outputs.items():
             if prefilling and rid in prefilling:
+                self._finished(w, rid)
                 self._prefill_done(rid, out)
                 continue
             rec = records[rid]
@@ -504,6 +552,7 @@ class Simulation:
             if out.finish_reason is not None:
                 rec.last_token_ms = rec.finish_ms = now
                 last.pop(rid, None)
+                self._finished(w, rid)
                 if out.finish_reason.value in ("abort", "error"):
                     rec.error = f"finished with {out.finish_reason.value}"
                 if self._bar is not None:
@@ -519,6 +568,7 @@ class Simulation:
         h = self._prefilling.pop(rid)
         rec = self._records[rid]
         if out.finish_reason is not FinishReason.length:
+            self._finished(self.workers[h.decode_worker_id], rid)
             self._fail(rec, f"prefill finished with {out.finish_reason.value if out.finish_reason else None}")
             return
         h.prefill_cached = out.num_cached_tokens
@@ -543,6 +593,7 @@ class Simulation:
         self._window[1] += h.prefill_cached
         if h.request.sampling.max_tokens <= 1:
             rec.last_token_ms = rec.finish_ms = now
+            self._finished(self.workers[h.decode_worker_id], rid)  # the decode worker answered at once
             if self._bar is not None:
                 self._bar.update(1)
             return

@@ -7,7 +7,16 @@ routers hold identical state:
 - the in-memory :class:`~kvflow.router.table.RoutingTable` from the workers
   topic (heartbeats, drains, stops; silent workers expire);
 - the global :class:`~kvflow.router.index.KvIndex` from the kv-events topic
-  (only for KV-event policies), with gap detection and dump requests.
+  (only for KV-event policies), with gap detection and dump requests;
+- each worker's in-flight requests from the inflight topic (taken and
+  ended requests, :mod:`kvflow.router.inflight`), reconciled with its
+  heartbeats into the table's load figures, plus the requests this replica
+  routed and the worker has not taken yet.
+
+Before each decision of a KV-event policy the router waits (at most
+:data:`KV_CATCH_UP_S`) until its index has folded the KV events that workers
+published before their latest finish records, so a prompt repeated right
+after its request ended finds its prefix in the index.
 
 Faust agents (consumer group, so each record is handled once per group):
 
@@ -24,6 +33,8 @@ Faust agents (consumer group, so each record is handled once per group):
 - ``check_cancels`` dead-letters malformed cancel records. Every worker
   reads the whole cancels topic and skips them, so each bad record is
   dead-lettered once, not once per worker.
+- ``check_inflight`` dead-letters malformed inflight records (the
+  projection of every replica skips them).
 
 Malformed records go to the dead-letter topic; no agent dies of one.
 """
@@ -44,6 +55,7 @@ import faust
 from kvflow.router.disagg import DisaggConfig, decode_role, route_and_forward
 from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
 from kvflow.router.index import KvIndex
+from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
 from kvflow.router.projections import follow_topic
@@ -56,6 +68,7 @@ from kvflow.schemas import (
     FinalResponse,
     FinishReason,
     InferenceRequest,
+    InflightRecord,
     KvDumpRequest,
     KvEventBatch,
     RecordError,
@@ -75,6 +88,12 @@ __all__ = ["RouterApp", "build_router_app"]
 
 log = logging.getLogger(__name__)
 
+KV_CATCH_UP_S = 0.2
+"""Longest a decision waits for the KV events that workers published before
+their latest finish records (the KV projection usually folds them within a
+fetch, a few ms). A worker whose events do not come in time is not waited
+for again until its index cursor moves (:func:`~kvflow.router.inflight.waive_kv`)."""
+
 
 @dataclass
 class RouterApp:
@@ -87,13 +106,18 @@ class RouterApp:
     router_id: str
     policy: str
     counters: dict[str, int] = field(default_factory=lambda: {
-        "routed": 0, "rejected": 0, "dead_lettered": 0, "shed": 0, "queued": 0, "kv_batches": 0, "kv_gaps": 0})
+        "routed": 0, "rejected": 0, "dead_lettered": 0, "shed": 0, "queued": 0, "kv_batches": 0, "kv_gaps": 0,
+        "inflight_records": 0, "kv_waits": 0, "kv_wait_timeouts": 0})
     queue: BoundedRequestQueue | None = None
     """Requests held while every worker is busy (``shed_mode="queue"``)."""
     workers_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the workers topic's history has been folded into the table."""
     kv_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the kv-events topic's history has been folded into the index."""
+    inflight_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the inflight topic's history has been folded into the table."""
+    kv_progress: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set each time a KV event batch is folded (wakes a decision waiting for one)."""
 
 
 def build_router_app(settings: Settings, catalog: Catalog | None = None, *, policy: str | None = None,
@@ -159,6 +183,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
     kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
+    inflight_topic = app.topic(catalog.inflight.name, partitions=catalog.inflight.partitions, **raw)
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
         state.counters["dead_lettered"] += 1
@@ -185,6 +210,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     app.agent(workers_topic, name="track_workers")(validator(WorkerHeartbeat))
     app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
+    app.agent(inflight_topic, name="check_inflight")(validator(InflightRecord))
 
     async def on_worker_record(msg) -> None:
         try:
@@ -222,6 +248,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             log.error("refusing KV events of %s: %s", batch.worker_id, exc)
             return
         state.counters["kv_batches"] += 1
+        state.kv_progress.set()
         if result.gap:
             state.counters["kv_gaps"] += 1
             await request_dump(batch.worker_id)
@@ -229,6 +256,18 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     @app.task
     async def project_workers() -> None:
         await follow_topic(settings, catalog.workers, on_worker_record, state.workers_caught_up, hot=False)
+
+    async def on_inflight_record(msg) -> None:
+        try:
+            record = decode(InflightRecord, msg.value)
+        except RecordError:
+            return  # dead-lettered once by check_inflight
+        apply_inflight_record(state.table, record)
+        state.counters["inflight_records"] += 1
+
+    @app.task
+    async def project_inflight() -> None:
+        await follow_topic(settings, catalog.inflight, on_inflight_record, state.inflight_caught_up)
 
     @app.task
     async def project_kv_events() -> None:
@@ -267,10 +306,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 await dead_letter(event, f"routing failed: {exc!r}")
 
     async def route_one(request: InferenceRequest) -> None:
-        if not state.workers_caught_up.is_set():
+        if not (state.workers_caught_up.is_set() and state.inflight_caught_up.is_set()):
             # First requests after a (re)start: let the table catch up with the log.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(state.workers_caught_up.wait(), 5.0)
+                await asyncio.wait_for(asyncio.gather(state.workers_caught_up.wait(),
+                                                      state.inflight_caught_up.wait()), 5.0)
+        if uses_events:
+            await wait_for_finished_kv()
         now = now_ms()
         expire_workers(state.table, now)
         role = decode_role(state.table, request.model)
@@ -291,6 +333,32 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                                   code="overloaded", retry_after_s=decision.retry_after_s or 1)
             return
         await dispatch(request, role, candidates, decision.candidates, now)
+
+    def kv_cursor(worker_id: str) -> int | None:
+        index = state.table.kv_index
+        return index.last_event_id(worker_id) if isinstance(index, KvIndex) else None
+
+    async def wait_for_finished_kv() -> None:
+        # The index should hold the KV events published before the finish records folded so far.
+        lagging = kv_lagging(state.table, kv_cursor, state.table.workers)
+        if not lagging:
+            return
+        state.counters["kv_waits"] += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + KV_CATCH_UP_S
+        while lagging:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                state.counters["kv_wait_timeouts"] += 1
+                log.warning("KV events of %s not folded within %.0f ms of their finish records; routing without",
+                            lagging, KV_CATCH_UP_S * 1000)
+                for worker_id in lagging:
+                    waive_kv(state.table, worker_id, kv_cursor(worker_id))
+                return
+            state.kv_progress.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.kv_progress.wait(), remaining)
+            lagging = kv_lagging(state.table, kv_cursor, lagging)
 
     async def dispatch(request: InferenceRequest, role: WorkerRole, candidates, free, now: int) -> None:
         block_hashes: tuple[int, ...] = ()

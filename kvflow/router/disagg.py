@@ -10,6 +10,7 @@ worker serves the model)::
 
     uncached = ISL − overlap_blocks · block_size          (overlap: the decode worker's cached prefix)
     depth    = Σ over serving prefill workers (waiting_requests + routed_since_heartbeat)
+               (reconciled figures: :class:`~kvflow.router.table.WorkerView`)
     remote   ⇔ prefill workers exist
                ∧ uncached > prefill_threshold_tokens
                ∧ depth < max_prefill_queue_per_worker · (number of prefill workers)
@@ -32,8 +33,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvflow.router.inflight import note_routed_request
 from kvflow.router.policies import RouteRequest, select_worker
-from kvflow.router.table import RoutingTable, WorkerView, note_routed
+from kvflow.router.table import RoutingTable, WorkerView
 from kvflow.schemas import InferenceRequest, RoutingDecision, WorkerRole, encode
 from kvflow.schemas.transfer import PrefillStage
 
@@ -167,8 +169,10 @@ def place(policy: str, req: RouteRequest, table: RoutingTable, config: DisaggCon
     return Placement(decision, plan)
 
 
-async def forward(request: InferenceRequest, placement: Placement, table: RoutingTable, send: Send) -> None:
-    """Send ``request`` where ``placement`` says, and count it on the chosen workers.
+async def forward(request: InferenceRequest, placement: Placement, table: RoutingTable, send: Send, *,
+                  now_ms: int = 0) -> None:
+    """Send ``request`` where ``placement`` says, and count it on the chosen workers
+    (:func:`~kvflow.router.inflight.note_routed_request` at ``now_ms``, epoch ms).
 
     Local prefill: to the decode worker's queue partition, with
     ``disaggregated_params`` cleared (a client cannot inject a stage).
@@ -177,23 +181,31 @@ async def forward(request: InferenceRequest, placement: Placement, table: Routin
     queue partition. ``placement.decision`` (already stamped with router id
     and time) becomes ``request.routing``.
 
+    Work counted: locally, the decode worker computes the prompt less its
+    cached overlap; remotely, the prefill worker computes the whole prompt
+    (as its admission record will say: the stage does not carry the
+    prefill pool's overlap) and the decode worker none (it imports the KV).
+
     Raises:
         KeyError: a worker of the placement is no longer in ``table``.
     """
     decision = placement.decision
     decode = table.workers[decision.worker_id]
     key = request.request_id.encode()
+    rid = request.request_id
+    isl = len(request.token_ids) if request.token_ids else 0
     if not placement.plan.remote:
         routed = request.model_copy(update={"routing": decision, "disaggregated_params": None})
-        note_routed(table, decode.worker_id)
+        note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl,
+                            prefill_tokens=isl - decision.overlap_blocks * decode.block_size, now_ms=now_ms)
         await send(decode.queue_topic, decode.queue_partition, key, encode(routed))
         return
     prefill = table.workers[decision.prefill_worker_id]
     stage = PrefillStage(decode_worker_id=decode.worker_id, decode_queue_topic=decode.queue_topic,
                          decode_queue_partition=decode.queue_partition)
     routed = request.model_copy(update={"routing": decision, "disaggregated_params": stage.to_params()})
-    note_routed(table, prefill.worker_id)
-    note_routed(table, decode.worker_id)
+    note_routed_request(table, prefill.worker_id, rid, prompt_tokens=isl, prefill_tokens=isl, now_ms=now_ms)
+    note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
     await send(prefill.queue_topic, prefill.queue_partition, key, encode(routed))
 
 
@@ -212,5 +224,5 @@ async def route_and_forward(policy: str, request: InferenceRequest, req: RouteRe
     placement = place(policy, req, table, config)
     placement = dataclasses.replace(
         placement, decision=placement.decision.model_copy(update={"router_id": router_id, "decided_ms": now_ms}))
-    await forward(request, placement, table, send)
+    await forward(request, placement, table, send, now_ms=now_ms)
     return placement

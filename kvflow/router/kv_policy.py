@@ -16,7 +16,8 @@ block-equivalents)::
     adjusted_prefill = max(prefill_blocks − overlap_credit·device_overlap
                            − host_weight·host_overlap − disk_weight·disk_overlap, 0)
     queued_prefill   = active_prefill_tokens / block_size          prompt work already waiting on w
-                       + routed_since_heartbeat · prefill_blocks   requests sent since w's heartbeat
+                       + routed_prefill_tokens / block_size        requests on w its heartbeat leaves out
+                         (or routed_since_heartbeat · prefill_blocks when their sizes are unknown)
     decode_requests  = active_requests + routed_since_heartbeat    running (decoding) requests on w
     cost = prefill_load_scale · (adjusted_prefill + queue_weight · queued_prefill)
            + decode_weight · decode_requests
@@ -38,9 +39,13 @@ Why these terms:
   1/16 per block) raised TPOT p99 from 20.5 to 28.6 ms and lowered the hit
   rate. KV memory pressure is handled by load shedding instead
   (:mod:`kvflow.router.shedding`, ``kv_threshold``).
-* Requests routed since the last heartbeat are not yet in the heartbeat's
-  figures; each is assumed as large as the current one, which keeps a burst
-  between heartbeats from piling onto one worker.
+* Requests a worker took or was sent after its last heartbeat are not yet
+  in the heartbeat's figures; the router counts them itself, with the
+  prompt tokens each is expected to compute, and drops requests that ended
+  (:mod:`kvflow.router.inflight`), which keeps a burst between heartbeats
+  from piling onto one worker and lets a worker that just finished look
+  idle at once. For a worker that publishes no inflight records, each
+  request routed since its heartbeat is assumed as large as the current one.
 
 Defaults (``queue_weight`` 0.5, ``decode_weight`` 8) are kvflow's choice,
 tuned with the offline simulator (:mod:`kvflow.replay.simulator`) on two
@@ -189,7 +194,8 @@ def worker_costs(req: RouteRequest, candidates: Sequence[WorkerView], scores: Ov
         if adjusted < 0:
             adjusted = 0.0
         routed = w.routed_since_heartbeat
-        queued = w.active_prefill_tokens / bs + routed * prefill
+        routed_prefill = w.routed_prefill_tokens
+        queued = w.active_prefill_tokens / bs + (routed * prefill if routed_prefill is None else routed_prefill / bs)
         costs.append(scale * (adjusted + wq * queued) + wdec * (w.active_requests + routed))
     return costs
 

@@ -3,6 +3,10 @@
 Pure state and pure update functions, so the Faust router, its replicas and
 the offline simulator build identical tables from the same records. Time is
 passed in (``now_ms``), never read here.
+
+Each worker's load figures are its heartbeat's, reconciled with the
+requests it took and ended since (the inflight topic, folded by
+:mod:`kvflow.router.inflight` into :attr:`RoutingTable.inflight`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvflow.router.inflight import InflightTracker, expire_inflight, forget_worker, observe_heartbeat, refresh_view
 from kvflow.schemas import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = ["WorkerView", "RoutingTable", "apply_heartbeat", "expire_workers", "note_routed"]
@@ -19,9 +24,20 @@ __all__ = ["WorkerView", "RoutingTable", "apply_heartbeat", "expire_workers", "n
 class WorkerView:
     """What the router knows of one worker (from its last heartbeat).
 
-    ``routed_since_heartbeat`` counts requests this router sent the worker
-    after that heartbeat; least-loaded adds it to the reported load so a
-    burst between heartbeats is spread out.
+    ``active_requests``, ``waiting_requests`` and ``active_prefill_tokens``
+    (tokens) are the heartbeat's figures; for a worker publishing inflight
+    records they are reconciled with what it ended since (requests that
+    ended no longer count; :mod:`kvflow.router.inflight`).
+
+    ``routed_since_heartbeat`` counts requests on the worker that the
+    heartbeat's figures leave out: for a tracked worker, exactly the
+    requests it took after the heartbeat plus those this router sent and
+    it has not taken yet, less those that ended; otherwise, the requests
+    this router sent after the heartbeat. Least-loaded adds it to the
+    reported load so a burst between heartbeats is spread out.
+    ``routed_prefill_tokens`` is the prompt tokens those requests are
+    expected to compute (tracked workers), or None (unknown: the cost
+    assumes each is as large as the request being routed).
     """
 
     worker_id: str
@@ -39,6 +55,7 @@ class WorkerView:
     last_seen_ms: int
     ttl_ms: int
     routed_since_heartbeat: int = 0
+    routed_prefill_tokens: int | None = None
 
     @property
     def load(self) -> int:
@@ -59,8 +76,9 @@ class WorkerView:
 
 @dataclass
 class RoutingTable:
-    """Live workers by id, the round-robin cursor per (model, role), and the
-    KV index that KV-aware policies consult (``None`` until one is attached)."""
+    """Live workers by id, the round-robin cursor per (model, role), the
+    KV index that KV-aware policies consult (``None`` until one is attached),
+    and the requests each worker holds (:attr:`inflight`)."""
 
     workers: dict[str, WorkerView] = field(default_factory=dict)
     rr_cursor: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -70,6 +88,8 @@ class RoutingTable:
     None = the policy's own (the defaults)."""
     busy: frozenset[str] = frozenset()
     """Workers load shedding marked busy for the decision at hand (never candidates)."""
+    inflight: InflightTracker = field(default_factory=InflightTracker)
+    """Requests routed to, taken and ended by each worker (:mod:`kvflow.router.inflight`)."""
 
     def candidates(self, model: str, role: WorkerRole | str) -> list[WorkerView]:
         """Serving, non-busy workers of ``model`` and ``role``, sorted by worker id (stable order)."""
@@ -94,30 +114,42 @@ class RoutingTable:
 
 
 def apply_heartbeat(table: RoutingTable, hb: WorkerHeartbeat) -> None:
-    """Fold one heartbeat into the table. A ``stopped`` worker is removed.
+    """Fold one heartbeat into the table. A ``stopped`` worker is removed
+    (with its in-flight entries).
 
     Heartbeats older than the one held (by ``ts_ms``) are ignored, so replays
-    and reordering cannot resurrect a stale view.
+    and reordering cannot resurrect a stale view. The new view's load
+    figures are reconciled with the worker's in-flight entries
+    (:func:`kvflow.router.inflight.observe_heartbeat`).
     """
     held = table.workers.get(hb.worker_id)
     if held is not None and hb.ts_ms < held.last_seen_ms:
         return
     if hb.status == WorkerStatus.stopped:
         table.workers.pop(hb.worker_id, None)
+        forget_worker(table, hb.worker_id)
         return
     table.workers[hb.worker_id] = WorkerView.from_heartbeat(hb)
+    observe_heartbeat(table, hb)
+    refresh_view(table, hb.worker_id)
 
 
 def expire_workers(table: RoutingTable, now_ms: int) -> list[str]:
-    """Drop workers whose last heartbeat is older than their TTL; returns their ids."""
+    """Drop workers whose last heartbeat is older than their TTL, with their
+    in-flight entries, and expire provisional entries never taken
+    (:func:`kvflow.router.inflight.expire_inflight`); returns the dropped worker ids."""
     gone = [w.worker_id for w in table.workers.values() if now_ms - w.last_seen_ms > w.ttl_ms]
     for worker_id in gone:
         del table.workers[worker_id]
+        forget_worker(table, worker_id)
+    expire_inflight(table, now_ms)
     return gone
 
 
 def note_routed(table: RoutingTable, worker_id: str) -> None:
-    """Count a request sent to ``worker_id`` since its last heartbeat."""
+    """Count a request sent to ``worker_id`` since its last heartbeat (the
+    fallback for workers that publish no inflight records; the router uses
+    :func:`kvflow.router.inflight.note_routed_request`, which falls back to this)."""
     w = table.workers.get(worker_id)
     if w is not None:
         table.workers[worker_id] = replace(w, routed_since_heartbeat=w.routed_since_heartbeat + 1)

@@ -8,6 +8,7 @@ frozen pydantic model with a ``schema_version``; :func:`encode` and
 from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
 from kvflow.schemas.control import CancelReason, CancelRequest
 from kvflow.schemas.dead_letter import DeadLetter
+from kvflow.schemas.inflight import InflightRecord, RequestAdmitted, RequestFinished
 from kvflow.schemas.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,8 +42,9 @@ from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "ChatMessage",
     "DeadLetter", "ErrorInfo",
-    "FinalResponse", "FinishReason", "InferenceRequest", "KvDumpRequest", "KvEvent", "KvEventBatch",
-    "KvTier", "MetricRecord", "Record", "RecordError", "ReplyTo", "RequestKind", "RequestMetrics",
+    "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KvDumpRequest", "KvEvent",
+    "KvEventBatch", "KvTier", "MetricRecord", "Record", "RecordError", "ReplyTo", "RequestAdmitted",
+    "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
     "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "decode", "encode", "now_ms",
 ]

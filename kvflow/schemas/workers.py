@@ -38,6 +38,16 @@ class WorkerHeartbeat(Record):
     worker's requests. ``kv_total_blocks``/``kv_used_blocks`` count KV blocks
     of ``block_size`` tokens. A worker missing heartbeats for ``ttl_ms`` is
     expired from the routing table. ``ts_ms`` is epoch ms.
+
+    ``active_requests``/``waiting_requests``/``active_prefill_tokens`` are
+    the engine's figures when the record was built. ``lifecycle_seq`` is
+    the ``seq`` of the next record the worker will publish on the inflight
+    topic (:mod:`kvflow.schemas.inflight`): the figures include the requests
+    of its records with a lower ``seq`` and none of the later ones.
+    ``inflight_requests`` counts the requests the worker held (taken from
+    its queue, not yet ended). Both are None from a worker that publishes no
+    inflight records; the router then counts the requests it routed there
+    until the next heartbeat.
     """
 
     worker_id: str = Field(min_length=1)
@@ -66,3 +76,5 @@ class WorkerHeartbeat(Record):
     ttl_ms: int = 5000
     started_ms: int = 0
     host: str = ""
+    lifecycle_seq: int | None = Field(ge=0, default=None)
+    inflight_requests: int | None = Field(ge=0, default=None)

@@ -17,6 +17,7 @@ from kvflow.schemas import (
     CancelRequest,
     DeadLetter,
     InferenceRequest,
+    InflightRecord,
     KvDumpRequest,
     KvEventBatch,
     MetricRecord,
@@ -88,6 +89,17 @@ class Catalog:
                 producers=("worker",), consumers=("router",),
                 description="KV cache stored/removed/cleared events",
             ),
+            # Workers publish one record when they take a request and one when it
+            # ends; every router replica reads the whole topic (a projection, no
+            # group) and so counts the same in-flight load per worker
+            # (kvflow.router.inflight). Keyed by worker id: one worker's records
+            # stay in order. They matter while their requests live; a router
+            # restarting replays the retained hour.
+            "inflight": spec(
+                "inflight", partitions=8, key="worker_id", value_schema=InflightRecord,
+                retention_ms=3600 * 1000, producers=("worker",), consumers=("router",),
+                description="requests taken and ended by workers: the router's exact in-flight load",
+            ),
             "kv_dump_requests": spec(
                 "kv-dump-requests", partitions=1, key="worker_id", value_schema=KvDumpRequest,
                 producers=("router",), consumers=("worker",),
@@ -150,6 +162,11 @@ class Catalog:
     def kv_events(self) -> TopicSpec:
         """KV cache events."""
         return self.topics["kv_events"]
+
+    @property
+    def inflight(self) -> TopicSpec:
+        """Requests taken and ended by workers."""
+        return self.topics["inflight"]
 
     @property
     def kv_dump_requests(self) -> TopicSpec:

@@ -57,6 +57,8 @@ from kvflow.schemas import (
     KvEvent,
     KvEventBatch,
     RecordError,
+    RequestAdmitted,
+    RequestFinished,
     Timings,
     TokenDelta,
     Usage,
@@ -144,6 +146,7 @@ class Worker:
         self.status = WorkerStatus.serving
         self.started_ms = now_ms()
         self.next_event_id = 0
+        self.lifecycle_seq = 0  # seq of the next record on the inflight topic
         self.kv_pending: list[KvEvent] = []
         self.kv_wakeup = asyncio.Event()
         self.served = 0
@@ -319,6 +322,7 @@ class Worker:
     async def _serve(self, request: InferenceRequest) -> None:
         received = now_ms()
         try:
+            await self._publish_admitted(request)
             if self.is_cancelled(request.request_id):
                 await disagg.release_unpulled(self, request)
                 await self.answer_aborted(request, received)
@@ -339,8 +343,52 @@ class Worker:
             log.exception("request %s failed", request.request_id)
             await self._send(request, self._error(request, f"internal error: {exc!r}", 500, "worker_error"))
         finally:
+            cancelled = self.is_cancelled(request.request_id)
             self.inflight.pop(request.request_id, None)
             self.served += 1
+            await self._publish_finished(request, cancelled)
+
+    async def _publish_admitted(self, request: InferenceRequest) -> None:
+        """Tell the routers this worker holds ``request`` (:class:`RequestAdmitted` on the
+        inflight topic; see :mod:`kvflow.router.inflight`). ``prefill_tokens``: the prompt
+        less the routing decision's cached overlap; the whole prompt for a remote prefill;
+        0 for a decode stage. Raises nothing but cancellation: a lost record is
+        reconciled by the next heartbeat."""
+        seq, self.lifecycle_seq = self.lifecycle_seq, self.lifecycle_seq + 1
+        prompt = len(request.token_ids) if request.token_ids else 0
+        try:
+            stage = parse_stage(request.disaggregated_params)
+        except ValueError:
+            stage = None  # _generate answers the malformed stage
+        if isinstance(stage, DecodeStage):
+            prefill = 0
+        elif isinstance(stage, PrefillStage) or request.routing is None:
+            prefill = prompt
+        else:
+            prefill = max(0, prompt - request.routing.overlap_blocks * self.engine.block_size)
+        await self._publish_lifecycle(RequestAdmitted(
+            worker_id=self.config.worker_id, started_ms=self.started_ms, seq=seq, request_id=request.request_id,
+            prompt_tokens=prompt, prefill_tokens=prefill, ts_ms=now_ms()))
+
+    async def _publish_finished(self, request: InferenceRequest, cancelled: bool) -> None:
+        """Tell the routers ``request`` ended here (:class:`RequestFinished`), after
+        publishing the KV events still pending, so a router folds the cache the
+        request left before it learns the worker is free. Raises nothing but
+        cancellation."""
+        seq, self.lifecycle_seq = self.lifecycle_seq, self.lifecycle_seq + 1
+        try:
+            await self._flush_kv_events()
+        except Exception:  # noqa: BLE001 - the finish record must still go out
+            log.exception("publishing KV events failed")
+        await self._publish_lifecycle(RequestFinished(
+            worker_id=self.config.worker_id, started_ms=self.started_ms, seq=seq, request_id=request.request_id,
+            cancelled=cancelled, kv_event_id=self.next_event_id, ts_ms=now_ms()))
+
+    async def _publish_lifecycle(self, record: RequestAdmitted | RequestFinished) -> None:
+        try:
+            await self.producer.send(self.catalog.inflight.name, encode(record), key=self.config.worker_id.encode())
+        except Exception:  # noqa: BLE001 - routers fall back to heartbeats
+            log.exception("publishing %s of %s failed", record.type, record.request_id)
 
     async def answer_aborted(self, request: InferenceRequest, received_ms: int) -> None:
         """Send ``request``'s client the final ``abort`` response of a request
@@ -532,6 +580,7 @@ class Worker:
             active_prefill_tokens=stats.active_prefill_tokens, ts_ms=now_ms(),
             ttl_ms=self.settings.worker_ttl_ms, started_ms=self.started_ms,
             host=f"{socket.gethostname()}:{os.getpid()}",
+            lifecycle_seq=self.lifecycle_seq, inflight_requests=len(self.inflight),
         )
 
     async def _heartbeat(self) -> None:
