@@ -166,12 +166,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     async def dead_letter(event: faust.EventT, error: str) -> None:
         state.counters["dead_lettered"] += 1
         msg = event.message
-        value = msg.value if isinstance(msg.value, bytes) else str(msg.value).encode()
-        record = DeadLetter(
-            source_topic=msg.topic, partition=msg.partition, offset=msg.offset,
-            key=msg.key.decode("utf-8", "replace") if isinstance(msg.key, bytes) else None,
-            value=value.decode("utf-8", "replace"), error=error[:4000], consumer=router_id, ts_ms=now_ms(),
-        )
+        record = DeadLetter.of(source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=msg.key,
+                               value=msg.value, error=error, consumer=router_id)
         log.warning("dead-lettering %s@%d: %s", msg.topic, msg.offset, error[:200])
         await app.producer.send(catalog.dead_letter.name, msg.topic.encode(), encode(record), None, None, None)
 
