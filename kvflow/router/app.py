@@ -23,8 +23,12 @@ Faust agents (consumer group, so each record is handled once per group):
 - ``check_cancels`` dead-letters malformed cancel records. Every worker
   reads the whole cancels topic and skips them, so each bad record is
   dead-lettered once, not once per worker.
+- ``check_kv_dump_requests`` dead-letters malformed KV dump requests, which
+  every worker also reads whole and skips.
 
-Malformed records go to the dead-letter topic; no agent dies of one.
+The whole-topic projections skip the records these agents dead-letter, so
+each malformed record reaches the dead-letter topic once per deployment,
+however many router replicas and workers read it. No agent dies of one.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
     kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
+    dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
     routing_table = app.GlobalTable(
         "routing-table", key_type=str, value_type=bytes,
         partitions=catalog.workers.partitions, help="worker id -> last heartbeat record",
@@ -193,6 +198,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
+    app.agent(dumps_topic, name="check_kv_dump_requests")(validator(KvDumpRequest))
 
     async def on_worker_record(msg) -> None:
         try:
