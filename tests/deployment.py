@@ -48,10 +48,40 @@ async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int,
 
 
 @contextlib.asynccontextmanager
+async def serve_bridge(settings: Settings, catalog, slot: int) -> AsyncIterator[tuple]:
+    """The HTTP bridge on responses partition ``slot``, served by uvicorn in this process on a free
+    port until it reports a live worker; yields ``(url, bridge state)``.
+
+    Raises:
+        AssertionError: the server exited during start-up.
+        TimeoutError: the bridge never saw a live worker.
+    """
+    import uvicorn
+
+    from kvflow.streams.bridge import build_app
+
+    app = build_app(settings, catalog, slot=slot)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            assert not task.done(), "bridge exited during start-up"
+            await asyncio.sleep(0.02)
+        await wait_bridge_healthy(url)
+        yield url, app.state.bridge
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
 async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str, mocker, workers: int = 2,
-                             client_timeout_s: float = 30.0) -> AsyncIterator[tuple]:
-    """A round-robin router, ``workers`` mocker workers (slots 0..n-1, ids ``w0``...) and a
-    started client, all in this process on the given broker; yields ``(router, [Worker], client)``.
+                             client_timeout_s: float = 30.0, policy: str = "round_robin") -> AsyncIterator[tuple]:
+    """A router (round-robin unless ``policy`` says otherwise), ``workers`` mocker workers (slots
+    0..n-1, ids ``w0``...) and a started client, all in this process on the given broker; yields
+    ``(router, [Worker], client)``.
 
     In-process parts let a test read a worker's counters and engine state
     while every record still travels through the broker.
@@ -61,7 +91,7 @@ async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str,
     from kvflow.workers.engines.mocker import MockerEngine
     from kvflow.workers.worker import Worker, WorkerConfig
 
-    router = build_router_app(settings, catalog, policy="round_robin")
+    router = build_router_app(settings, catalog, policy=policy)
     await router.app.start()
     started: list[tuple[Worker, asyncio.Task]] = []
     client = KvflowClient(settings, catalog, timeout_s=client_timeout_s)

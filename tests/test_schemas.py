@@ -65,6 +65,24 @@ def test_metric_union():
     assert decode(MetricRecord, encode(wm)) == wm
 
 
+def test_dead_letter_keeps_original_bytes_exactly():
+    garbage, key = b"\xff\xfe\x00 junk \x9c", b"k\xc3"
+    letter = DeadLetter.of(source_topic="t", partition=2, offset=9, key=key, value=garbage, error=ValueError("bad"),
+                           consumer="c")
+    back = decode(DeadLetter, encode(letter))
+    assert back.original_value() == garbage and back.original_key() == key and back.error == "bad"
+    assert back.value_b64 and "\ufffd" in back.value  # readable text alongside the exact bytes
+    text = DeadLetter.of(source_topic="t", partition=0, offset=0, key=None, value=b'{"a": "\xc3\xa9"}', error="x",
+                         consumer="c")
+    assert text.value == '{"a": "\u00e9"}' and text.value_b64 is None and text.original_key() is None
+    assert text.original_value() == b'{"a": "\xc3\xa9"}'
+    assert DeadLetter.of(source_topic="t", partition=0, offset=0, key=None, value=None, error="x",
+                         consumer="c").original_value() == b""
+    # a letter written before value_b64 existed still reads
+    assert DeadLetter(source_topic="x", partition=0, offset=4, value="{", error="bad", consumer="c",
+                      ts_ms=1).original_value() == b"{"
+
+
 @pytest.mark.parametrize("raw", [b"", b"not json", b'{"request_id": "r"}',
                                  b'{"request_id":"r","model":"m","reply_to":{"topic":"t","partition":0}}',
                                  b'{"request_id":"r","model":"m","prompt":"x","reply_to":{"topic":"t","partition":-1}}'])

@@ -35,8 +35,12 @@ Faust agents (consumer group, so each record is handled once per group):
   dead-lettered once, not once per worker.
 - ``check_inflight`` dead-letters malformed inflight records (the
   projection of every replica skips them).
+- ``check_kv_dump_requests`` dead-letters malformed KV dump requests, which
+  every worker also reads whole and skips.
 
-Malformed records go to the dead-letter topic; no agent dies of one.
+The whole-topic projections skip the records these agents dead-letter, so
+each malformed record reaches the dead-letter topic once per deployment,
+however many router replicas and workers read it. No agent dies of one.
 """
 
 from __future__ import annotations
@@ -184,16 +188,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
     inflight_topic = app.topic(catalog.inflight.name, partitions=catalog.inflight.partitions, **raw)
+    dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
         state.counters["dead_lettered"] += 1
         msg = event.message
-        value = msg.value if isinstance(msg.value, bytes) else str(msg.value).encode()
-        record = DeadLetter(
-            source_topic=msg.topic, partition=msg.partition, offset=msg.offset,
-            key=msg.key.decode("utf-8", "replace") if isinstance(msg.key, bytes) else None,
-            value=value.decode("utf-8", "replace"), error=error[:4000], consumer=router_id, ts_ms=now_ms(),
-        )
+        record = DeadLetter.of(source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=msg.key,
+                               value=msg.value, error=error, consumer=router_id)
         log.warning("dead-lettering %s@%d: %s", msg.topic, msg.offset, error[:200])
         await app.producer.send(catalog.dead_letter.name, msg.topic.encode(), encode(record), None, None, None)
 
@@ -211,6 +212,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
     app.agent(inflight_topic, name="check_inflight")(validator(InflightRecord))
+    app.agent(dumps_topic, name="check_kv_dump_requests")(validator(KvDumpRequest))
 
     async def on_worker_record(msg) -> None:
         try:

@@ -5,6 +5,12 @@ topic, which it names as ``reply_to`` on every request it sends; workers
 write that request's token deltas and final response there.
 :meth:`KvflowClient.cancel` asks the workers to abort a request (cancels topic).
 
+A response record that fails to decode is sent to the dead-letter topic
+(consumer ``<name>:<slot>``) and reading goes on: the reader validates every
+record of its slot, whether or not a request of this client waits for it,
+so each malformed record is dead-lettered once as long as each slot has one
+reader (give every bridge replica and client its own slot).
+
 The responses reader is supervised: a reader that fails, or that makes no
 progress for ``STALL_S`` while its partition holds unread records, is
 replaced by a new consumer positioned at the first record not yet delivered,
@@ -50,7 +56,7 @@ from kvflow.schemas import (
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import wake
-from kvflow.streams.kafka import adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 
 __all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S"]
 
@@ -87,17 +93,20 @@ class KvflowClient:
 
     ``slot`` is the responses partition this client reads (random if not
     given). Two clients sharing a slot still work (each ignores the other's
-    request ids) but read each other's traffic.
+    request ids) but read each other's traffic, and both dead-letter a
+    malformed record there. ``name`` prefixes the slot in the ``consumer``
+    of this client's dead letters (``bridge`` for the HTTP bridge).
     """
 
     def __init__(self, settings: Settings, catalog: Catalog | None = None, slot: int | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, *, name: str = "client") -> None:
         self.settings = settings
         self.catalog = catalog or Catalog(settings.namespace)
         self.slot = random.randrange(self.catalog.responses.partitions) if slot is None else slot
         self.timeout_s = timeout_s or settings.request_timeout_s
         self._producer = make_producer(settings)
         self._consumer = make_consumer(settings)
+        self._dlq = DeadLetterWriter(self._producer, self.catalog, consumer=f"{name}:{self.slot}")
         self._pending: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._tp = TopicPartition(self.catalog.responses.name, self.slot)
@@ -200,15 +209,14 @@ class KvflowClient:
                 for msg in records:
                     self._next_offset = msg.offset + 1
                     self._progress = time.monotonic()
-                    queue = self._pending.get(msg.key.decode("utf-8", "replace") if msg.key else "")
-                    if queue is None:
-                        continue
                     try:
                         event = decode(ResponseEvent, msg.value)
                     except RecordError as exc:
-                        log.warning("undecodable response at offset %d: %s", msg.offset, exc)
+                        await self._dlq.send(msg, exc)
                         continue
-                    if event.request_id == msg.key.decode("utf-8", "replace"):
+                    key = msg.key.decode("utf-8", "replace") if msg.key else ""
+                    queue = self._pending.get(key)
+                    if queue is not None and event.request_id == key:
                         queue.put_nowait(event)
 
     def new_request(

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from kvflow.schemas import DeadLetter, RecordError, decode, encode, now_ms
+from kvflow.schemas import DeadLetter, RecordError, decode, encode
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import FetchWaitPolicy, install
@@ -147,14 +147,11 @@ class DeadLetterWriter:
         self.count = 0
 
     async def send(self, msg: ConsumerRecord, error: str | Exception) -> None:
-        """Dead-letter ``msg`` with the reason ``error``."""
+        """Dead-letter ``msg`` with the reason ``error`` (original key and value
+        bytes kept exactly, see :class:`~kvflow.schemas.DeadLetter`)."""
         self.count += 1
-        key = msg.key.decode("utf-8", "replace") if isinstance(msg.key, bytes) else msg.key
-        raw = msg.value.decode("utf-8", "replace") if isinstance(msg.value, bytes) else str(msg.value)
-        record = DeadLetter(
-            source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key, value=raw,
-            error=str(error)[:4000], consumer=self.consumer, ts_ms=now_ms(),
-        )
+        record = DeadLetter.of(source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=msg.key,
+                               value=msg.value, error=error, consumer=self.consumer)
         log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, str(error)[:200])
         try:
             await self.producer.send_and_wait(self.topic, encode(record), key=msg.topic.encode())

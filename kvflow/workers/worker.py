@@ -23,6 +23,9 @@ answered with ``abort`` at once; a worker starting up reads back the most
 recent cancels for the same reason (its queue may already hold requests
 cancelled before it started). A malformed cancel is skipped (counted in
 ``malformed_cancels``); the router dead-letters it, once for the deployment.
+Malformed KV dump requests, also read whole by every worker, are skipped
+and dead-lettered by the router the same way. A malformed record on the
+worker's own queue slot is dead-lettered by the worker (it alone reads it).
 
 Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
 (:mod:`kvflow.schemas.transfer`) takes the prefill or decode path of
@@ -667,7 +670,7 @@ class Worker:
         try:
             req = decode(KvDumpRequest, msg.value)
         except RecordError:
-            return
+            return  # dead-lettered once by the router's check_kv_dump_requests
         if req.worker_id == self.config.worker_id:
             await self._publish_dump()
 

@@ -21,7 +21,9 @@ A connector is anything with ``name`` and ``async apply(command) -> int``
   drain) replaces any command still queued for that pool; commands older
   (``ts_ms``) than the last one accepted for the pool are dropped.
 * Malformed records go to the dead-letter topic; stale commands (older than
-  ``max_age_s``) are skipped.
+  ``max_age_s``) are skipped. Every connector name is its own consumer
+  group and reads the whole topic, so with one connector per deployment
+  each malformed record is dead-lettered once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One :func:`kafka_bridge_state` context builds a :class:`BridgeState` whose
 response source is a started :class:`KvflowClient` (it owns one responses
-partition), whose worker projection follows the workers topic from its
+partition and dead-letters malformed records there as ``bridge:<slot>``), whose worker projection follows the workers topic from its
 beginning, whose ``RequestMetrics`` go to the metrics topic, and whose
 cancels of disconnected requests go to the cancels topic.
 """
@@ -47,7 +47,7 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         await create_topics(settings, catalog)
     registry = WorkerRegistry()
     async with contextlib.AsyncExitStack() as stack:
-        client = KvflowClient(settings, catalog, slot=slot)
+        client = KvflowClient(settings, catalog, slot=slot, name="bridge")  # dead-letters bad responses
         await client.start()
         stack.push_async_callback(client.stop)
 
