@@ -1,9 +1,13 @@
-"""The ``kvflow`` command: up, worker, status, produce, replay, profile."""
+"""The ``kvflow`` command: up, worker, status, produce, planner, profile, replay, aiperf.
+
+Options that set a :class:`~kvflow.settings.Settings` field default to the
+Settings value (``KVFLOW_*`` environment, else the field default); a flag
+given on the command line wins (see :mod:`kvflow.cli_options`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -13,16 +17,30 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvflow.cli_options import (
+    BootstrapOpt,
+    DataDirOpt,
+    DisaggMaxPrefillQueueOpt,
+    DisaggThresholdOpt,
+    JoinPortOpt,
+    NamespaceOpt,
+    PolicyOpt,
+    StateFileOpt,
+    check_policy,
+    env_help,
+    join_settings,
+    resolve_settings,
+)
+from kvflow.deployments import DeploymentState, read_state, remove_state, state_path, write_state
 from kvflow.schemas import WorkerRole
-from kvflow.settings import Settings
 
-app = typer.Typer(help="kvflow: LLM inference serving as an event-sourced pipeline on Kafka.", no_args_is_help=True)
+__all__ = ["app", "join_settings", "resolve_settings"]
 
-STATE_FILE = Path(os.environ.get("KVFLOW_STATE_FILE", Path.home() / ".cache" / "kvflow" / "up.json"))
+# rich_markup_mode=None: plain click help, which wraps help text and never
+# truncates an option's name (rich's tables cut them at 80 columns).
+app = typer.Typer(help="kvflow: LLM inference serving as an event-sourced pipeline on Kafka.", no_args_is_help=True,
+                  rich_markup_mode=None)
 
-BootstrapOpt = Annotated[Optional[str], typer.Option("--bootstrap-servers", "-b", envvar="KVFLOW_BOOTSTRAP_SERVERS",
-                                                     help="Kafka bootstrap servers; default: the embedded broker.")]
-NamespaceOpt = Annotated[str, typer.Option(envvar="KVFLOW_NAMESPACE", help="Topic name prefix.")]
 TtftStatisticOpt = Annotated[str, typer.Option(
     help="SLA planner: mean | p99 of an interval's TTFTs that must meet --ttft-ms.")]
 ItlStatisticOpt = Annotated[str, typer.Option(
@@ -36,36 +54,29 @@ def _logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _settings(bootstrap: str | None, namespace: str, embedded: bool | None = None, **kw: object) -> Settings:
-    """Settings for commands that join a running deployment (state file as fallback)."""
-    if bootstrap is None and STATE_FILE.exists():
-        state = json.loads(STATE_FILE.read_text())
-        bootstrap, embedded = state["bootstrap_servers"], state["embedded_broker"]
-        namespace = state.get("namespace", namespace)
-    if bootstrap is None:
-        raise typer.BadParameter("no running deployment found: start one with `kvflow up` or pass --bootstrap-servers")
-    return Settings(bootstrap_servers=bootstrap, namespace=namespace, embedded_broker=bool(embedded), **kw)
-
-
 @app.command()
 def up(
     engine: Annotated[str, typer.Option(help="mocker | hf | vllm")] = "hf",
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
     prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers (disaggregated serving).")] = 0,
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
-    disagg_threshold_tokens: Annotated[int, typer.Option(
-        min=0, help="Prefill remotely only when the uncached prompt is longer than this.")] = 1000,
+    disagg_threshold_tokens: DisaggThresholdOpt = None,
+    disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: Annotated[str, typer.Option(help="Address the HTTP bridge listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        help="HTTP bridge port; also names this deployment (its state file is deployments/<port>.json under "
+             "--data-dir, and `kvflow status --port` finds it).")] = 8000,
     bridge: Annotated[bool, typer.Option(help="Serve the OpenAI HTTP bridge (off: Kafka-native clients only).")] = True,
     api_keys_file: Annotated[Optional[Path], typer.Option(
         exists=True, dir_okay=False, readable=True,
         help="Bridge API keys, one per line; clients send `Authorization: Bearer <key>` "
-             "(also KVFLOW_API_KEYS). None: the bridge is open.")] = None,
+             "(also KVFLOW_API_KEYS). None: the bridge is open. [env: KVFLOW_API_KEYS_FILE]")] = None,
     bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = "kvflow",
-    policy: Annotated[str, typer.Option(help="Routing policy: kv | approx | least_loaded | round_robin | random.")] = "kv",
+    namespace: NamespaceOpt = None,
+    policy: PolicyOpt = None,
+    data_dir: DataDirOpt = None,
+    state_file: StateFileOpt = None,
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
     ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
@@ -90,25 +101,36 @@ def up(
 ) -> None:
     """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
 
-    With ``--planner sla`` the SLA planner (metrics sink, planner loop and local
+    With --planner sla the SLA planner (metrics sink, planner loop and local
     connector) runs in this process and scales the aggregated workers between
-    ``--min-workers`` and ``--max-workers``.
+    --min-workers and --max-workers.
+
+    While it runs, the deployment is recorded in deployments/<port>.json
+    under --data-dir (or in --state-file), where `kvflow status`, `kvflow
+    produce` ... find it.
     """
     from kvflow.supervisor import Supervisor, WorkerSpec
 
     _logging(verbose)
     if planner not in ("none", "sla"):
         raise typer.BadParameter(f"--planner must be none or sla, not {planner!r}")
-    settings = Settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
-                        disagg_prefill_threshold_tokens=disagg_threshold_tokens,
-                        **({"api_keys_file": str(api_keys_file)} if api_keys_file else {}))
-    if api_keys_file:
+    settings = resolve_settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
+                                disagg_prefill_threshold_tokens=disagg_threshold_tokens,
+                                disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue,
+                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file)
+    check_policy(settings.routing_policy)
+    if settings.api_keys_file:
         from kvflow.streams.bridge.api_keys import read_api_keys_file
 
         try:
-            read_api_keys_file(api_keys_file)
+            read_api_keys_file(settings.api_keys_file)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
+    state_file_path = state_path(settings, port)
+    running = read_state(state_file_path)
+    if running is not None and running.pid != os.getpid():
+        raise typer.BadParameter(f"a deployment is already recorded in {state_file_path}: {running.describe()}; "
+                                 "stop it, or choose another --port or --state-file", param_hint="--port")
     mocker_args = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
     if engine == "mocker" and mocker_tokenizer:
@@ -139,11 +161,12 @@ def up(
             loop.add_signal_handler(sig, stop.set)
         try:
             await sup.start()
-            STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-            STATE_FILE.write_text(json.dumps({"bootstrap_servers": sup.settings.bootstrap_servers,
-                                              "embedded_broker": sup.settings.embedded_broker,
-                                              "namespace": namespace, "url": sup.url, "pid": os.getpid()}))
-            typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}")
+            write_state(state_file_path, DeploymentState(
+                bootstrap_servers=sup.settings.bootstrap_servers, embedded_broker=sup.settings.embedded_broker,
+                namespace=sup.settings.namespace, url=sup.url, port=port, bridge=bridge, pid=os.getpid(),
+                routing_policy=sup.settings.routing_policy, data_dir=str(Path(settings.data_dir).absolute())))
+            typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}; "
+                       f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
                      (WorkerRole.decode, decode_workers))
             for role, count in pools:
@@ -167,19 +190,20 @@ def up(
         finally:
             typer.echo("stopping ...")
             await sup.stop()
-            with contextlib.suppress(OSError):
-                STATE_FILE.unlink()
+            remove_state(state_file_path)
 
     asyncio.run(main())
 
 
 @app.command()
 def worker(
-    slot: Annotated[int, typer.Option(envvar="KVFLOW_WORKER_SLOT", help="Queue partition this worker consumes.")],
+    slot: Annotated[Optional[int], typer.Option(
+        min=0, help="Queue partition this worker consumes (required). [env: KVFLOW_WORKER_SLOT]")] = None,
     engine: str = "mocker",
     model: str = "SmolLM2-135M-Instruct",
     role: WorkerRole = WorkerRole.aggregated,
-    worker_id: Annotated[Optional[str], typer.Option(envvar="KVFLOW_WORKER_ID")] = None,
+    worker_id: Annotated[Optional[str], typer.Option(help="Worker id; unset: generated. [env: KVFLOW_WORKER_ID]")]
+    = None,
     block_size: Annotated[Optional[int], typer.Option(help="KV block size in tokens (engine default if unset).")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
@@ -187,31 +211,44 @@ def worker(
         help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
     bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = "kvflow",
-    embedded_broker: bool = False,
+    namespace: NamespaceOpt = None,
+    embedded_broker: Annotated[Optional[bool], typer.Option(
+        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run one worker process (normally started by `kvflow up`)."""
     from kvflow.workers.main import run_worker
 
     _logging(verbose)
-    settings = _settings(bootstrap_servers, namespace, embedded_broker or None)
-    asyncio.run(run_worker(settings, slot=slot, engine=engine, model=model, role=role, worker_id=worker_id,
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
+                             worker_slot=slot, worker_id=worker_id)
+    if settings.worker_slot is None:
+        raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
+    asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
+                           worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
                            device=device, tokenizer=tokenizer))
 
 
 @app.command()
 def status(
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
     bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = "kvflow",
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    namespace: NamespaceOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     scaling: Annotated[int, typer.Option(help="Also show the last N scaling commands (0: none).")] = 0,
 ) -> None:
     """List live workers and their queue depths (and recent scaling commands)."""
     from kvflow.streams.status import collect_status, render_status
 
-    settings = _settings(bootstrap_servers, namespace)
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
     rows = asyncio.run(collect_status(settings))
     commands = []
     if scaling > 0:
@@ -249,12 +286,13 @@ def planner_cmd(
     workload: Annotated[Optional[list[str]], typer.Option(
         help="kubernetes: POOL=NAME, one per pool (e.g. decode=kvflow-decode).")] = None,
     workload_kind: Annotated[str, typer.Option(help="kubernetes: Deployment or StatefulSet.")] = "Deployment",
-    clickhouse_url: Annotated[Optional[str], typer.Option(envvar="KVFLOW_CLICKHOUSE_URL",
-                                                          help="ClickHouse server; default: embedded chDB.")] = None,
-    data_dir: Annotated[str, typer.Option(envvar="KVFLOW_DATA_DIR", help="Embedded chDB parent directory.")]
-    = ".kvflow",
+    clickhouse_url: Annotated[Optional[str], typer.Option(
+        help=env_help("clickhouse_url", "ClickHouse server; unset: embedded chDB under --data-dir."))] = None,
+    data_dir: DataDirOpt = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
     bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = "kvflow",
+    namespace: NamespaceOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run the SLA planner on its own (metrics sink, planner loop, optional connector)
@@ -269,7 +307,8 @@ def planner_cmd(
     from kvflow.streams.catalog import Catalog
 
     _logging(verbose)
-    settings = _settings(bootstrap_servers, namespace, clickhouse_url=clickhouse_url, data_dir=data_dir)
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, clickhouse_url=clickhouse_url, data_dir=data_dir)
     try:
         config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=adjustment_interval_s,
                                mode=PlannerMode(mode), predictor=predictor, max_gpus=max_gpus,
@@ -366,13 +405,17 @@ def produce(
     model: str = "SmolLM2-135M-Instruct",
     max_tokens: int = 64,
     temperature: float = 0.0,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
     bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = "kvflow",
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Send one chat request straight to the requests topic and stream the reply (no HTTP)."""
     from kvflow.streams.produce import produce_chat
 
-    settings = _settings(bootstrap_servers, namespace)
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
     code = asyncio.run(produce_chat(settings, text, model=model, max_tokens=max_tokens, temperature=temperature))
     raise typer.Exit(code)
 

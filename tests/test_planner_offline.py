@@ -320,7 +320,7 @@ def test_cli_runs_the_planner_and_the_static_baselines(burst_csv, tmp_path):
         "replay", str(burst_csv), "--mode", "offline", "--planner", "sla", "--ttft-ms", "1000", "--itl-ms", "100",
         "--predictor", "kalman", "--adjustment-interval-s", "10", "--min-workers", "1", "--max-workers", "4",
         "--workers", "1", "--profile-kind", "phases", "--speedup-ratio", "0.1", "--sla-target", "0.9",
-        "--planner-itl-statistic", "p99", "--planner-correction-smoothing", "0.5",
+        "--itl-statistic", "p99", "--correction-smoothing", "0.5",
         "--json", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())

@@ -214,7 +214,7 @@ def test_cli_disaggregated_run(tmp_path):
     out = tmp_path / "cli.json"
     result = CliRunner().invoke(app, [
         "replay", str(MOONCAKE), "--mode", "offline", "--prefill-workers", "1", "--decode-workers", "1",
-        "--disagg-threshold-tokens", "4000", "--router", "kv", "--limit", "40", "--json", str(out), "--no-progress"])
+        "--disagg-threshold-tokens", "4000", "--policy", "kv", "--limit", "40", "--json", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["workers"] == 2 and data["options"]["aggregated_workers"] == 0

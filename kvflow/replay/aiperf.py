@@ -164,7 +164,9 @@ def write_trace_slice(src: str | Path, dst: str | Path, limit: int, *, max_input
 def find_aiperf() -> str | None:
     """Path of the ``aiperf`` executable: ``$KVFLOW_AIPERF``, else ``aiperf``
     on ``PATH``, else ``DEFAULT_AIPERF_VENV/bin/aiperf``; ``None`` if none exists."""
-    explicit = os.environ.get(AIPERF_ENV_VAR)
+    from kvflow.settings import Settings
+
+    explicit = Settings().aiperf  # $KVFLOW_AIPERF
     if explicit:
         return explicit if Path(explicit).is_file() else shutil.which(explicit)
     found = shutil.which("aiperf")

@@ -6,14 +6,14 @@
 Writes the first ``--limit`` requests of TRACE into the artifact directory,
 lays out the model's tokenizer as an offline Hugging Face cache entry
 (:func:`kvflow.replay.aiperf.make_hf_cache`) and runs ``aiperf profile``
-against a running deployment (the URL of the last ``kvflow up`` by
-default). AIPerf itself is not a kvflow dependency: install it in its own
-virtual environment and point ``$KVFLOW_AIPERF`` at its ``aiperf``.
+against a running deployment (by default the one ``kvflow up`` recorded:
+``--port``/``--state-file`` choose among several). AIPerf itself is not a
+kvflow dependency: install it in its own virtual environment and point
+``$KVFLOW_AIPERF`` at its ``aiperf``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -22,19 +22,11 @@ from typing import Annotated
 
 import typer
 
+from kvflow.cli_options import DataDirOpt, JoinPortOpt, StateFileOpt, deployment_url
+
 __all__ = ["aiperf"]
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def _deployment_url() -> str:
-    """URL of the deployment ``kvflow up`` recorded in its state file, else the default."""
-    from kvflow.cli import STATE_FILE  # lazy: kvflow.cli imports this module to register it
-
-    try:
-        return json.loads(STATE_FILE.read_text())["url"]
-    except (OSError, ValueError, KeyError):
-        return _DEFAULT_URL
 
 
 def aiperf(
@@ -45,7 +37,11 @@ def aiperf(
     max_input_length: Annotated[int | None, typer.Option(
         help="Skip requests longer than this many tokens before taking --limit.")] = None,
     url: Annotated[str | None, typer.Option(
-        help="Bridge base URL (default: the running `kvflow up`, else http://127.0.0.1:8000).")] = None,
+        help="Bridge base URL (default: the running `kvflow up` that --port/--state-file pick, else "
+             "http://127.0.0.1:8000).")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
     model: Annotated[str, typer.Option(help="Served model name to request.")] = "SmolLM2-135M-Instruct",
     tokenizer_model: Annotated[str, typer.Option(
         help="kvflow model spec (name or local HF directory) whose tokenizer AIPerf uses.")] = "SmolLM2-135M-Instruct",
@@ -78,7 +74,8 @@ def aiperf(
         cap = f".max{max_input_length}" if max_input_length is not None else ""
         sliced = artifact_dir / f"{trace.stem}.first{limit}{cap}.jsonl"
         count = write_trace_slice(trace, sliced, limit, max_input_length=max_input_length)
-        cmd = aiperf_command(sliced, url=url or _deployment_url(), model=model, artifact_dir=artifact_dir,
+        url = url or deployment_url(port=port, state_file=state_file, data_dir=data_dir, default=_DEFAULT_URL)
+        cmd = aiperf_command(sliced, url=url, model=model, artifact_dir=artifact_dir,
                              tokenizer=repo, aiperf=exe or "aiperf", endpoint_type=endpoint_type,
                              streaming=streaming, server_token_count=server_token_count,
                              server_metrics=server_metrics, extra_args=extra or [])

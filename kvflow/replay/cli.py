@@ -1,11 +1,11 @@
 """``kvflow replay``: offline simulation, online replay, and report comparison.
 
-    kvflow replay TRACE --mode offline [--workers N] [--router POLICY] [--seed S] [--json PATH]
+    kvflow replay TRACE --mode offline [--workers N] [--policy POLICY] [--seed S] [--json PATH]
     kvflow replay TRACE --mode offline --prefill-workers P --decode-workers D [--workers N]
                         [--disagg-threshold-tokens 1000] [--disagg-max-prefill-queue 2]
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
                         [--adjustment-interval-s 60] [--min-workers 1] [--max-workers 16]
-    kvflow replay TRACE --mode online  [--bootstrap-servers ... | --url http://...]
+    kvflow replay TRACE --mode online  [--port P | --bootstrap-servers ... | --url http://...]
     kvflow replay compare a.json b.json ...
 
 With ``--planner sla`` the offline run is sized by the SLA planner (starting
@@ -19,6 +19,14 @@ request (see :mod:`kvflow.replay.simulator`). ``--workers`` then counts extra
 aggregated workers and defaults to 0 when decode workers are given (beside a
 decode pool they would get nothing); with prefill workers only it keeps its
 default of 8 and those aggregated workers decode.
+
+The routing policy, its ``kv_*`` weights and the disaggregation thresholds
+are the live router's settings: an option left unset takes the
+``KVFLOW_*`` variable ``kvflow up`` would read, else the same default
+(``kv``). ``--router`` is a deprecated spelling of ``--policy``, and
+``--planner-ttft-statistic``, ``--planner-itl-statistic`` and
+``--planner-correction-smoothing`` of ``kvflow up``'s ``--ttft-statistic``,
+``--itl-statistic`` and ``--correction-smoothing``.
 """
 
 from __future__ import annotations
@@ -28,7 +36,25 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvflow.cli_options import (
+    BootstrapOpt,
+    DataDirOpt,
+    DisaggMaxPrefillQueueOpt,
+    DisaggThresholdOpt,
+    JoinPortOpt,
+    NamespaceOpt,
+    PolicyOpt,
+    StateFileOpt,
+    check_policy,
+    deprecated_alias,
+    env_help,
+    join_settings,
+    resolve_settings,
+)
+
 __all__ = ["replay"]
+
+_Hidden = Annotated[Optional[str], typer.Option(hidden=True)]
 
 
 def replay(
@@ -41,20 +67,22 @@ def replay(
         min=0, help="offline: simulated prefill-only workers (disaggregated serving)")] = 0,
     decode_workers: Annotated[int, typer.Option(
         min=0, help="offline: simulated decode workers (disaggregated serving)")] = 0,
-    disagg_threshold_tokens: Annotated[int, typer.Option(
-        min=0, help="offline disaggregated: prefill remotely only when the uncached prompt exceeds this")] = 1000,
-    disagg_max_prefill_queue: Annotated[int, typer.Option(
-        min=1, help="offline disaggregated: prefill remotely only while the prefill queue is below this "
-                    "many requests per prefill worker")] = 2,
-    router: Annotated[str, typer.Option("--router", help="routing policy")] = "round_robin",
+    disagg_threshold_tokens: DisaggThresholdOpt = None,
+    disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
+    policy: PolicyOpt = None,
+    router: Annotated[Optional[str], typer.Option("--router", hidden=True, help="Deprecated: --policy.")] = None,
     kv_overlap_credit: Annotated[Optional[float], typer.Option(
-        min=0, help="offline kv/approx routing: prefill blocks saved per cached block (default 1)")] = None,
+        min=0, help=env_help("kv_overlap_credit", "offline kv/approx routing: prefill blocks saved per cached block"))]
+    = None,
     kv_queue_weight: Annotated[Optional[float], typer.Option(
-        min=0, help="offline kv/approx routing: weight of prompt work queued on a worker (default 0.5)")] = None,
+        min=0, help=env_help("kv_queue_weight", "offline kv/approx routing: weight of prompt work queued on a worker"))]
+    = None,
     kv_decode_weight: Annotated[Optional[float], typer.Option(
-        min=0, help="offline kv/approx routing: prefill blocks one running request weighs (default 8)")] = None,
+        min=0, help=env_help("kv_decode_weight", "offline kv/approx routing: prefill blocks one running request "
+                                                 "weighs"))] = None,
     kv_temperature: Annotated[Optional[float], typer.Option(
-        min=0, help="offline kv/approx routing: 0 = cheapest worker, > 0 = softmax sampling (default 0)")] = None,
+        min=0, help=env_help("kv_temperature", "offline kv/approx routing: 0 = cheapest worker, > 0 = softmax "
+                                               "sampling"))] = None,
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
     start_ms: Optional[float] = None,
@@ -73,14 +101,18 @@ def replay(
     planner_itl_ms: Annotated[Optional[float], typer.Option(
         help="planner: ITL it plans for, ms (default: the SLA threshold; with the mean statistic, lower buys "
              "tail headroom)")] = None,
-    planner_ttft_statistic: Annotated[str, typer.Option(
-        help="planner: mean | p99: which statistic of an interval's TTFTs must meet its TTFT target")] = "mean",
-    planner_itl_statistic: Annotated[str, typer.Option(
-        help="planner: mean | p99: which statistic of an interval's per-request ITLs must meet its ITL target")]
-    = "mean",
-    planner_correction_smoothing: Annotated[float, typer.Option(
-        help="planner: weight of the newest interval in the moving average of correction factors (1: none)")]
-    = 1.0,
+    ttft_statistic: Annotated[Optional[str], typer.Option(
+        help="planner: mean | p99: which statistic of an interval's TTFTs must meet its TTFT target "
+             "[default: mean]")] = None,
+    itl_statistic: Annotated[Optional[str], typer.Option(
+        help="planner: mean | p99: which statistic of an interval's per-request ITLs must meet its ITL target "
+             "[default: mean]")] = None,
+    correction_smoothing: Annotated[Optional[float], typer.Option(
+        help="planner: weight of the newest interval in the moving average of correction factors (1: none) "
+             "[default: 1.0]")] = None,
+    planner_ttft_statistic: _Hidden = None,
+    planner_itl_statistic: _Hidden = None,
+    planner_correction_smoothing: Annotated[Optional[float], typer.Option(hidden=True)] = None,
     predictor: Annotated[str, typer.Option(help="planner: constant | arima | kalman | prophet")] = "constant",
     adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
     worker_startup_s: Annotated[float, typer.Option(
@@ -94,11 +126,14 @@ def replay(
         help="planner: aggregated (prefill and decode profiled together) | phases (apart)")] = "aggregated",
     speedup_ratio: Annotated[float, typer.Option(help="offline: mocker engine speed; step times are divided by this")]
     = 1.0,
-    bootstrap_servers: Annotated[Optional[str], typer.Option("--bootstrap-servers", "-b")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
     url: Annotated[Optional[str], typer.Option(help="online: an OpenAI-compatible base URL instead of Kafka")] = None,
     model: Annotated[str, typer.Option(help="online: model name to request")] = "SmolLM2-135M-Instruct",
-    namespace: str = "kvflow",
-    progress: bool = True,
+    namespace: NamespaceOpt = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Replay a traffic trace and report TTFT, ITL, throughput, goodput and prefix hit rate."""
     from kvflow.replay import compare_reports, render_markdown, run_offline, run_online
@@ -115,34 +150,41 @@ def replay(
                   plot_dir=plots, progress=progress, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms)
     if workers is None:
         workers = 0 if decode_workers else 8
-    kv_weights = {k: v for k, v in (("overlap_credit", kv_overlap_credit), ("queue_weight", kv_queue_weight),
-                                     ("decode_weight", kv_decode_weight), ("temperature", kv_temperature))
+    policy = deprecated_alias("--router", router, "--policy", policy)
+    ttft_statistic = deprecated_alias("--planner-ttft-statistic", planner_ttft_statistic, "--ttft-statistic",
+                                      ttft_statistic) or "mean"
+    itl_statistic = deprecated_alias("--planner-itl-statistic", planner_itl_statistic, "--itl-statistic",
+                                     itl_statistic) or "mean"
+    correction_smoothing = deprecated_alias("--planner-correction-smoothing", planner_correction_smoothing,
+                                            "--correction-smoothing", correction_smoothing)
+    kv_weights = {k: v for k, v in (("kv_overlap_credit", kv_overlap_credit), ("kv_queue_weight", kv_queue_weight),
+                                     ("kv_decode_weight", kv_decode_weight), ("kv_temperature", kv_temperature))
                   if v is not None}
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
+        # The live router's settings, so the simulation routes as `kvflow up` would in this environment.
+        settings = resolve_settings(routing_policy=policy, disagg_prefill_threshold_tokens=disagg_threshold_tokens,
+                                    disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **kv_weights)
+        check_policy(settings.routing_policy)
         try:
             plan = _planner_options(planner, sla_ttft_ms if planner_ttft_ms is None else planner_ttft_ms,
                                     sla_itl_ms if planner_itl_ms is None else planner_itl_ms, predictor,
                                     adjustment_interval_s, scale_down_hold_intervals, min_workers, max_workers,
-                                    workers, sla_target, profile_kind, ttft_statistic=planner_ttft_statistic,
-                                    itl_statistic=planner_itl_statistic,
-                                    correction_smoothing=planner_correction_smoothing)
-            disagg = DisaggConfig(prefill_threshold_tokens=disagg_threshold_tokens,
-                                  max_prefill_queue_per_worker=disagg_max_prefill_queue)
-            report = run_offline(trace, workers=workers, policy=router, seed=seed, speedup=speedup, rate=rate,
-                                 mocker_config=MockerConfig(speedup_ratio=speedup_ratio),
-                                 prefill_workers=prefill_workers, decode_workers=decode_workers, disagg=disagg,
+                                    workers, sla_target, profile_kind, ttft_statistic=ttft_statistic,
+                                    itl_statistic=itl_statistic,
+                                    correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing)
+            report = run_offline(trace, workers=workers, policy=settings.routing_policy, seed=seed, speedup=speedup,
+                                 rate=rate, mocker_config=MockerConfig(speedup_ratio=speedup_ratio),
+                                 prefill_workers=prefill_workers, decode_workers=decode_workers,
+                                 disagg=DisaggConfig.from_settings(settings),
                                  worker_startup_ms=worker_startup_s * 1000.0,
-                                 kv_config=KvPolicyConfig(**kv_weights) if kv_weights else None,
-                                 **plan, **common)
+                                 kv_config=KvPolicyConfig.from_settings(settings), **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
-        from kvflow.cli import _settings
-
         if planner != "none":
             raise typer.BadParameter("--planner runs in offline mode only (online, run `kvflow up --planner sla`)")
         if kv_weights:
@@ -151,8 +193,12 @@ def replay(
         if prefill_workers or decode_workers:
             raise typer.BadParameter("--prefill-workers/--decode-workers size the offline simulation; online, the "
                                      "deployment's own workers serve (`kvflow up --prefill-workers ...`)")
+        if policy is not None:
+            raise typer.BadParameter("--policy configures the offline simulator's router; online, the deployment's "
+                                     "router routes (`kvflow up --policy ...`)")
 
-        settings = None if url else _settings(bootstrap_servers, namespace)
+        settings = None if url else join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                                                  bootstrap_servers=bootstrap_servers, namespace=namespace)
         report = run_online(trace, settings, url=url, model=model, speedup=speedup, rate=rate, seed=seed, **common)
     else:
         raise typer.BadParameter("--mode must be offline or online")

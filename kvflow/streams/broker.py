@@ -19,6 +19,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from kvflow.settings import Settings
+
 __all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "free_port"]
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,8 @@ class BrokerError(RuntimeError):
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow")) / "bin"
+    root = Settings().cache_dir
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "kvflow") / "bin"
 
 
 def broker_binary() -> str:
@@ -43,7 +46,7 @@ def broker_binary() -> str:
     Raises:
         BrokerError: none of these exists.
     """
-    override = os.environ.get("CALF_TANSU_BIN")
+    override = Settings().tansu_bin
     if override:
         if not os.access(override, os.X_OK):
             raise BrokerError(f"CALF_TANSU_BIN={override!r} is not an executable file")

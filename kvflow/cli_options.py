@@ -1,0 +1,185 @@
+"""Options the ``kvflow`` commands share, and how their values are resolved.
+
+Every option that sets a :class:`~kvflow.settings.Settings` field defaults to
+``None``: left unset, it takes the Settings value, i.e. the ``KVFLOW_*``
+environment variable, else the field's default. So the precedence is the
+same for every command: flag, then environment, then default.
+:func:`resolve_settings` does this; :func:`join_settings` also finds the
+running deployment (``kvflow up``'s state file, see :mod:`kvflow.deployments`)
+for the commands that join one.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+from pydantic import ValidationError
+
+from kvflow.deployments import DeploymentNotFound, find_deployment
+from kvflow.settings import Settings
+
+__all__ = [
+    "BootstrapOpt",
+    "DataDirOpt",
+    "DisaggMaxPrefillQueueOpt",
+    "DisaggThresholdOpt",
+    "JoinPortOpt",
+    "NamespaceOpt",
+    "PolicyOpt",
+    "StateFileOpt",
+    "check_policy",
+    "deployment_url",
+    "deprecated_alias",
+    "env_help",
+    "join_settings",
+    "resolve_settings",
+]
+
+log = logging.getLogger("kvflow.cli")
+
+T = TypeVar("T")
+
+
+def env_help(field: str, text: str) -> str:
+    """``text`` plus where an unset option's value comes from: the
+    environment variable of Settings field ``field`` and its default."""
+    info = Settings.model_fields[field]
+    env = info.validation_alias if isinstance(info.validation_alias, str) else f"KVFLOW_{field.upper()}"
+    if info.default is None:
+        return f"{text} [env: {env}]"
+    return f"{text} [env: {env}; default: {info.default}]"
+
+
+BootstrapOpt = Annotated[Optional[str], typer.Option(
+    "--bootstrap-servers", "-b", help=env_help(
+        "bootstrap_servers", "Kafka bootstrap servers; unset: the embedded broker (up) or the running "
+                             "deployment's (other commands)."))]
+NamespaceOpt = Annotated[Optional[str], typer.Option(
+    help=env_help("namespace", "Topic name prefix (joining a deployment: the one it records)."))]
+PolicyOpt = Annotated[Optional[str], typer.Option(
+    "--policy", help=env_help("routing_policy", "Routing policy: kv | approx | least_loaded | round_robin | random."))]
+DisaggThresholdOpt = Annotated[Optional[int], typer.Option(
+    min=0, help=env_help("disagg_prefill_threshold_tokens",
+                         "Disaggregated serving: prefill remotely only when the uncached prompt is longer than "
+                         "this many tokens."))]
+DisaggMaxPrefillQueueOpt = Annotated[Optional[int], typer.Option(
+    min=1, help=env_help("disagg_max_prefill_queue_per_worker",
+                         "Disaggregated serving: prefill remotely only while the prefill queue holds fewer "
+                         "requests than this per prefill worker."))]
+DataDirOpt = Annotated[Optional[str], typer.Option(
+    help=env_help("data_dir", "Embedded state: chDB, and deployments/<port>.json, the state file of each "
+                              "running `kvflow up`."))]
+StateFileOpt = Annotated[Optional[Path], typer.Option(
+    dir_okay=False, help=env_help("state_file", "The state file of the deployment to join (`kvflow up`: to "
+                                                "write) instead of deployments/<port>.json under --data-dir."))]
+JoinPortOpt = Annotated[Optional[int], typer.Option(
+    "--port", help="Join the deployment serving on this port (its state file under --data-dir); unset: "
+                   "the only one running.")]
+
+
+def _setting_name(field: str) -> str:
+    info = Settings.model_fields.get(field)
+    env = (info.validation_alias if info is not None and isinstance(info.validation_alias, str)
+           else f"KVFLOW_{field.upper()}")
+    return f"{field} ({env} or its option)"
+
+
+def resolve_settings(**flags: Any) -> Settings:
+    """Settings with each flag given on the command line (not ``None``) set,
+    the rest from the ``KVFLOW_*`` environment, else the field defaults.
+
+    Raises:
+        typer.BadParameter: a flag or variable has an invalid value.
+    """
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"{_setting_name('.'.join(str(p) for p in e['loc']))}: {e['msg']}"
+                             for e in exc.errors())
+        raise typer.BadParameter(problems) from exc
+
+
+def join_settings(*, port: int | None = None, state_file: Path | str | None = None, **flags: Any) -> Settings:
+    """Settings of a command that joins a running deployment.
+
+    ``--bootstrap-servers`` names the cluster itself (no state file read).
+    Otherwise ``--state-file`` or ``--port`` picks a deployment ``kvflow up``
+    recorded, and its bootstrap servers, broker kind and namespace are used
+    (``--namespace``, if given, still wins). With none of these,
+    ``KVFLOW_BOOTSTRAP_SERVERS`` if set, else ``KVFLOW_STATE_FILE``, else the
+    only live deployment recorded under the data dir.
+
+    Raises:
+        typer.BadParameter: ``--bootstrap-servers`` together with
+            ``--port``/``--state-file``; no running deployment; several and none chosen.
+    """
+    explicit_bootstrap = flags.get("bootstrap_servers") is not None
+    if explicit_bootstrap and (port is not None or state_file is not None):
+        raise typer.BadParameter("give --bootstrap-servers or --port/--state-file, not both")
+    settings = resolve_settings(state_file=state_file, **flags)
+    if explicit_bootstrap or (settings.bootstrap_servers and port is None and state_file is None):
+        return settings
+    try:
+        state = find_deployment(settings, port=port, state_file=state_file)
+    except LookupError as exc:
+        hint = "" if port is not None or state_file is not None else (
+            "\nstart one with `kvflow up`, or pass --port, --state-file or --bootstrap-servers")
+        raise typer.BadParameter(f"{exc}{hint if isinstance(exc, DeploymentNotFound) else ''}") from exc
+    update: dict[str, Any] = {"bootstrap_servers": state.bootstrap_servers, "embedded_broker": state.embedded_broker}
+    if flags.get("namespace") is None:
+        update["namespace"] = state.namespace
+    return settings.model_copy(update=update)
+
+
+def deployment_url(*, port: int | None = None, state_file: Path | str | None = None,
+                   data_dir: str | None = None, default: str = "http://127.0.0.1:8000") -> str:
+    """The bridge URL of the running deployment ``--port``/``--state-file`` pick
+    (or the only one running); ``http://127.0.0.1:<port>`` when nothing is
+    recorded for ``port``, ``default`` when nothing is recorded at all.
+
+    Raises:
+        typer.BadParameter: ``state_file`` records no live deployment, or several run and none was chosen.
+    """
+    settings = resolve_settings(state_file=state_file, data_dir=data_dir)
+    try:
+        return find_deployment(settings, port=port, state_file=state_file).url
+    except DeploymentNotFound as exc:
+        if state_file is not None:
+            raise typer.BadParameter(str(exc)) from exc
+        return f"http://127.0.0.1:{port}" if port is not None else default
+    except LookupError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def deprecated_alias(old_flag: str, old_value: T | None, new_flag: str, new_value: T | None) -> T | None:
+    """The value of an option also spelled ``old_flag`` (deprecated): logs a
+    warning when the old spelling was used, and returns its value.
+
+    Raises:
+        typer.BadParameter: both spellings were given, with different values.
+    """
+    if old_value is None:
+        return new_value
+    log.warning("%s is deprecated; use %s", old_flag, new_flag)
+    if new_value is not None and new_value != old_value:
+        raise typer.BadParameter(f"{old_flag} {old_value!r} contradicts {new_flag} {new_value!r}")
+    return old_value
+
+
+def check_policy(policy: str) -> str:
+    """``policy`` if it names a registered routing policy.
+
+    Raises:
+        typer.BadParameter: unknown policy (the message lists the known ones).
+    """
+    import kvflow.router.kv_policy  # noqa: F401  (registers kv and approx)
+    from kvflow.router.policies import POLICIES
+
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"unknown routing policy {policy!r}; known: {', '.join(sorted(POLICIES))}",
+                                 param_hint="--policy")
+    return policy
