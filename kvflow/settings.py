@@ -107,6 +107,12 @@ class Settings(BaseSettings):
     """``kv``/``approx`` routing: 0 picks the cheapest worker; > 0 samples by
     softmax over normalised costs. Defaults to 0."""
 
+    max_record_bytes: int = Field(default=16 << 20, ge=1 << 20)
+    """Largest record a producer sends (a request record carries the prompt's
+    text and token ids, ~10 bytes per token: 1 MiB, Kafka's default, stops
+    at ~100k tokens). On a real cluster, topics kvflow creates get this as
+    ``max.message.bytes``. Defaults to 16 MiB."""
+
     stream_flush_tokens: int = Field(default=16, ge=1)
     """A worker sends a request's buffered tokens as one ``TokenDelta`` once
     this many are buffered (1: a record per engine output). The first output

@@ -169,10 +169,24 @@ def aiperf_exe():
 async def mocker_deployment(kafka):
     settings, _ = kafka
     # The mocker tokenizes bytes: a Mooncake prompt of N tokens is ~4.3 N byte tokens.
-    settings = settings.model_copy(update={"max_prompt_tokens": 262144})
+    settings = settings.model_copy(update={"max_prompt_tokens": 262144, "max_record_bytes": 1 << 20})
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "20"])
     async with running_deployment(settings, spec, workers=2) as sup:
         yield sup
+
+
+async def test_request_over_one_mib_is_served_with_the_default_record_limit(kafka):
+    """A ~1.3 MB request record (a long prompt) fits the default 16 MiB record
+    limit end to end: bridge → requests → router (Faust producer) → queue → worker."""
+    settings, _ = kafka
+    settings = settings.model_copy(update={"max_prompt_tokens": 262144})
+    spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "20"])
+    async with running_deployment(settings, spec, workers=1) as sup:
+        async with httpx.AsyncClient(base_url=sup.url, timeout=120) as http:
+            big = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "a" * 260_000}], "max_tokens": 2})
+            assert big.status_code == 200, big.text
+            assert big.json()["usage"]["prompt_tokens"] > 260_000
 
 
 async def test_aiperf_replays_mooncake_slice_against_mocker(mocker_deployment, aiperf_exe, tmp_path):
@@ -219,7 +233,7 @@ async def test_aiperf_replays_mooncake_slice_against_mocker(mocker_deployment, a
 
 async def test_request_over_the_kafka_record_limit_is_413_not_503(mocker_deployment):
     """A prompt under ``max_prompt_tokens`` whose request record still exceeds the
-    producer's 1 MiB limit (long Mooncake prompts on the byte-tokenizing mocker)
+    producer's record limit (``max_record_bytes``, 1 MiB in this deployment)
     is the client's 413, not a retryable broker outage."""
     prompt = "a" * 260_000  # 260k byte tokens: ~1.3 MB as a JSON record
     async with httpx.AsyncClient(base_url=mocker_deployment.url, timeout=60) as http:

@@ -158,6 +158,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         web_enabled=False,
         autodiscover=False,
         producer_linger_ms=0,
+        producer_max_request_size=settings.max_record_bytes,
         producer_acks=1,
         broker_session_timeout=settings.session_timeout_ms / 1000,
         broker_heartbeat_interval=max(0.1, settings.session_timeout_ms / 6000),

@@ -44,7 +44,8 @@ def bootstrap(settings: Settings) -> str:
 def make_producer(settings: Settings, **kwargs: Any) -> AIOKafkaProducer:
     """An un-started producer: low linger, no idempotence on the embedded broker,
     TLS/SASL as the settings say; ``kwargs`` override any of it."""
-    opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": 0, "client_id": "kvflow"}
+    opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": 0, "client_id": "kvflow",
+                            "max_request_size": settings.max_record_bytes}
     opts.update(client_security(settings))
     opts.update(producer_overrides(settings.embedded_broker))
     opts.update(kwargs)
@@ -111,7 +112,8 @@ async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:
         wanted = [
             NewTopic(t.name, t.partitions, 1,
                      topic_configs={} if settings.embedded_broker else
-                     {"cleanup.policy": t.cleanup_policy, "retention.ms": str(t.retention_ms)})
+                     {"cleanup.policy": t.cleanup_policy, "retention.ms": str(t.retention_ms),
+                      "max.message.bytes": str(settings.max_record_bytes)})
             for t in catalog.all() if t.name not in existing
         ]
         if wanted:
