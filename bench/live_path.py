@@ -176,6 +176,35 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
     return asyncio.run(main())
 
 
+def bridge_ttft(url: str) -> dict:
+    """Mean and bucket-estimated p50/p99 (ms) of the bridge's own TTFT histogram
+    (body read → first token written), from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if fam.name != "kvflow_bridge_ttft_seconds":
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+
+    def quantile(q: float) -> float | None:
+        for le in sorted(buckets):
+            if count and buckets[le] >= q * count:
+                return le * 1000
+        return None
+
+    return {"mean": round(1000 * total / count, 1) if count else None, "p50_le": quantile(0.5),
+            "p99_le": quantile(0.99)}
+
+
 def py_spy(procs: dict[str, list[psutil.Process]], out_dir: Path, seconds: int) -> list[subprocess.Popen]:
     """Start py-spy flame-graph recordings of the bridge+router process and the first worker."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +284,8 @@ def main() -> None:
             "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
         })
         result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
+        result["bridge_ttft_ms"] = bridge_ttft(url)
+        result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
         result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:
         os.killpg(up.pid, signal.SIGINT)

@@ -59,14 +59,18 @@ class Settings(BaseSettings):
     namespace: str = "kvflow"
     """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
 
-    fetch_max_wait_ms: int = Field(default=5, ge=1)
+    fetch_max_wait_ms: int = Field(default=10, ge=1)
     """Fetch long-poll of a consumer of the embedded broker while records flow
-    (see :mod:`kvflow.streams.fetch_wait`). Defaults to 5."""
+    (see :mod:`kvflow.streams.fetch_wait`). Each fetch of an idle partition
+    costs the broker CPU: on 4 mocker workers under the Mooncake slice, 10 ms
+    instead of 5 cut broker CPU by 18% at the same TTFT (docs/benchmarks.md,
+    "Live path"). Defaults to 10."""
 
-    fetch_idle_wait_ms: int = Field(default=200, ge=1)
-    """Fetch long-poll of an idle consumer of the embedded broker: bounds the
-    extra latency of the first record after a quiet spell, per hop, and sets
-    the idle CPU cost (fewer fetches). Defaults to 200."""
+    fetch_idle_wait_ms: int = Field(default=1000, ge=1)
+    """Longest fetch long-poll of an idle consumer of the embedded broker (the
+    wait doubles each second of quiet up to this): bounds the extra latency of
+    the first record after a long quiet spell, per hop, and sets the idle CPU
+    cost. Defaults to 1000."""
 
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its

@@ -19,9 +19,11 @@ assemble records), unless that partition's position has not moved for
 ``stuck_after_s`` (Tansu leaves some partitions one record short of their
 watermark for ever, e.g. a Faust changelog partition at 0 of 1; the response
 reader's supervisor handles a reader that is really stuck); records on a latency-critical ("hot") partition within
-``active_window_s`` → ``active_ms``; otherwise ``idle_ms``. The first record
-after an idle period therefore pays up to ``idle_ms`` on each hop whose
-consumer was idle; under traffic every hop runs at ``active_ms``.
+``active_window_s`` → ``active_ms``; otherwise a wait that doubles for every
+further second of quiet, from ``active_ms`` up to ``idle_ms``. The first
+record after a quiet spell therefore pays up to the current wait on each hop
+whose consumer was idle (at most ``idle_ms`` after a long one); under
+traffic every hop runs at ``active_ms``.
 
 :func:`install` attaches a policy to a started aiokafka consumer; the fetcher
 hook (:func:`patch_fetcher`) reads it. Consumers without a policy keep their
@@ -93,9 +95,12 @@ class FetchWaitPolicy:
                 self._last_activity = now
         if behind:
             return self.catch_up_ms
-        if now - self._last_activity < self.active_window_s:
+        quiet = now - self._last_activity - self.active_window_s
+        if quiet < 0:
             return self.active_ms
-        return self.idle_ms
+        if quiet >= 32:
+            return self.idle_ms
+        return int(min(self.idle_ms, self.active_ms * 2 ** quiet))
 
 
 def _states(assignment: Any) -> list[PartitionState]:
