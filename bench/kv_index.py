@@ -19,20 +19,32 @@ local hashes are XXH3-64 of ``(hash_id, j)``; sequence hashes are chained as
 in :mod:`kvflow.router.hashing`. Dynamo's tree is keyed by local hashes and
 its events carry both (``block_hash`` = sequence, ``tokens_hash`` = local).
 
-Both indexes run the same operations in the same order, one event per call:
-kvflow gets one :class:`~kvflow.schemas.KvEventBatch` per event, decoded from
-its JSON wire form just before the (separately timed) ``apply``; Dynamo gets
-pre-serialized JSON bytes, which ``apply_event`` parses inside the timed
-call. ``events_with_decode_per_s`` adds kvflow's decoding, so it compares the
-two full paths from wire bytes. Query hashes are rebuilt from JSON just
-before each lookup on both sides (the router hashes a prompt just before it
-routes it). Every call is timed; the two sides alternate passes ``--repeat``
-times, and each operation's time is its fastest pass (the machine may be
-shared); ``best_pass`` figures use the fastest whole pass instead.
-Dynamo runs in its own virtual environment (``--dynamo-python``, default
-``/tmp/dynvenv/bin/python`` with ``ai-dynamo-runtime==1.6.1``) as a
-subprocess; without it the Dynamo figures are null with a reason. The two
-indexes' overlap scores are compared lookup by lookup.
+Both indexes run the same operations in the same order, one event per call,
+each from the bytes its router would read off the wire: kvflow gets one
+:class:`~kvflow.schemas.KvEventBatch` per event in its kv-events wire form
+(binary, schema version 2; ``--wire json`` for the version-1 JSON form),
+decoded by :func:`~kvflow.schemas.decode_kv_frame` and folded by
+``KvIndex.apply``, as the router's projection does; Dynamo gets the
+pre-serialized JSON bytes its ``RadixTree.apply_event`` takes (the only form
+its Python binding accepts), parsed inside the timed call.
+``events_with_decode_per_s`` and the ``events_with_decode`` ratio compare the
+two full paths, bytes on the wire to index updated; ``events_per_s`` times
+kvflow's ``apply`` alone. Query hashes are rebuilt from JSON just before each
+lookup on both sides (the router hashes a prompt just before it routes it).
+Every call is timed; the two sides alternate passes ``--repeat`` times, and
+each operation's time is its fastest pass (the machine may be shared);
+``best_pass`` figures use the fastest whole pass instead.
+
+Both processes run pinned to one CPU (``--cpu``, default 0; ``--no-pin``
+leaves them free): Dynamo's ``RadixTree`` starts a thread of its own, so
+unpinned its figures depend on how the host's scheduler places and wakes
+two threads, and moved several-fold between hosts and runs; pinned, both
+sides get one core, the same one. Dynamo runs in its own virtual environment
+(``--dynamo-python``; default the first of ``/tmp/dynbase/venv/bin/python``,
+built by ``shared/dynamo_baseline/setup.sh``, and ``/tmp/dynvenv/bin/python``
+that exists; ``ai-dynamo-runtime==1.6.1``) as a subprocess; without it the
+Dynamo figures are null with a reason. The two indexes' overlap scores are
+compared lookup by lookup.
 
 ``--routing`` also replays the trace through the offline simulator with 8
 mocker workers under ``kv``, ``approx``, ``round_robin`` and ``random``, and
@@ -42,7 +54,7 @@ events. ``approx`` expires predictions by ``RouteRequest.now_ms``; where the
 simulator does not set it, only its per-worker capacity bound applies.
 
     python bench/kv_index.py [--limit N] [--repeat 5] [--assign prefix] [--block-map python]
-                             [--dynamo-python PATH] [--routing]
+                             [--wire binary|json] [--cpu 0 | --no-pin] [--dynamo-python PATH] [--routing]
 
 Last stdout line: one JSON object with the figures.
 
@@ -64,8 +76,22 @@ from collections import OrderedDict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # measure the checkout this script is in, not another install of kvflow
+    sys.path.insert(0, str(ROOT))
 TRACE_NAME = "mooncake_conversation_first40min.jsonl"
-DEFAULT_DYNAMO_PYTHON = "/tmp/dynvenv/bin/python"
+DYNAMO_PYTHONS = ("/tmp/dynbase/venv/bin/python", "/tmp/dynvenv/bin/python")
+
+
+def default_dynamo_python() -> str:
+    """The first Dynamo venv python of :data:`DYNAMO_PYTHONS` that exists (else the first)."""
+    return next((p for p in DYNAMO_PYTHONS if Path(p).exists()), DYNAMO_PYTHONS[0])
+
+
+def pin(cpu: int | None) -> list[int]:
+    """Pin this process (and children started later) to ``cpu``; None leaves it. Returns the CPUs it may use."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    return sorted(os.sched_getaffinity(0))
 
 
 def default_trace() -> Path:
@@ -151,18 +177,22 @@ def build_workload(trace: Path, workers: int, capacity: int, block_size: int, li
 class KvflowRunner:
     """Times kvflow's KvIndex on ``ops``, one repetition per :meth:`run` call.
 
-    Events are decoded from their JSON wire form just before being applied,
-    as the router does, so ``apply`` sees fresh objects; the decode is timed
-    separately. Query hashes are rebuilt from JSON just before each lookup
-    (untimed), as the router computes them just before it routes; the Dynamo
-    side does the same.
+    Events are decoded from their wire form (``wire``: ``"binary"``, what
+    workers publish, or ``"json"``, the version-1 form) just before being
+    applied, as the router's projection does (:func:`~kvflow.schemas.decode_kv_frame`
+    then ``KvIndex.apply``), so ``apply`` sees fresh objects; decode and
+    apply are timed separately and together. Query hashes are rebuilt from
+    JSON just before each lookup (untimed), as the router computes them just
+    before it routes; the Dynamo side does the same.
     """
 
-    def __init__(self, ops: list[tuple], block_size: int, block_map: str = "default") -> None:
+    def __init__(self, ops: list[tuple], block_size: int, block_map: str = "default", wire: str = "binary") -> None:
         from kvflow.schemas import BlockRemoved, BlockStored, KvEventBatch, encode
 
         self.block_size = block_size
         self.block_map = block_map
+        to_bytes = encode if wire == "binary" else (  # version 1: pydantic JSON, as workers published it before
+            lambda b: b.model_copy(update={"schema_version": 1}).model_dump_json(exclude_none=True).encode())
         self.items: list[tuple[str, bytes | str]] = []
         names = [f"worker-{i}" for i in range(64)]
         next_id: dict[int, int] = {}
@@ -175,16 +205,17 @@ class KvflowRunner:
             next_id[w] = eid + 1
             ev = (BlockStored(parent_block_hash=op[2], block_hashes=op[3]) if op[0] == "s"
                   else BlockRemoved(block_hashes=op[2]))
-            self.items.append(("e", encode(KvEventBatch(worker_id=names[w], event_id=eid, block_size=block_size,
-                                                        ts_ms=0, events=[ev]))))
+            self.items.append(("e", to_bytes(KvEventBatch(worker_id=names[w], event_id=eid, block_size=block_size,
+                                                          ts_ms=0, events=[ev]))))
         self.n_events = sum(1 for kind, _ in self.items if kind == "e")
         self.n_lookups = len(self.items) - self.n_events
         self.scores: list[dict[int, int]] | None = None
 
-    def run(self) -> tuple[list[float], list[float], list[float]]:
-        """One pass; returns per-operation seconds: (apply per event, decode per event, find_matches per lookup)."""
+    def run(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """One pass; returns per-operation seconds: (apply per event, decode per event,
+        find_matches per lookup, decode + apply per event, timed as one)."""
         from kvflow.router.index import KvIndex
-        from kvflow.schemas import KvEventBatch, decode
+        from kvflow.schemas import decode_kv_frame
 
         if self.block_map == "python":
             from kvflow.router._blockmap_py import BlockMap
@@ -196,6 +227,7 @@ class KvflowRunner:
         t_ev: list[float] = []
         t_dec: list[float] = []
         t_q: list[float] = []
+        t_full: list[float] = []
         out = [] if self.scores is None else None
         for kind, data in self.items:
             if kind == "q":
@@ -207,14 +239,16 @@ class KvflowRunner:
                     out.append(res)
             else:
                 t0 = pc()
-                batch = decode(KvEventBatch, data)
+                batch = decode_kv_frame(data)
                 t1 = pc()
                 apply(batch)
-                t_ev.append(pc() - t1)
+                t2 = pc()
+                t_ev.append(t2 - t1)
                 t_dec.append(t1 - t0)
+                t_full.append(t2 - t0)
         if out is not None:
             self.scores = [{int(k.split("-")[1]): v for k, v in s.device.items()} for s in out]
-        return t_ev, t_dec, t_q
+        return t_ev, t_dec, t_q, t_full
 
 
 # ---- Dynamo side (runs in Dynamo's venv; stdlib + dynamo only) -------------
@@ -222,7 +256,11 @@ class KvflowRunner:
 
 def dynamo_worker(path: str) -> None:
     """Subprocess entry: load the pickled ops, then time one pass of Dynamo's
-    RadixTree per ``run`` line on stdin, printing one JSON line per pass."""
+    RadixTree per ``run`` line on stdin, printing one JSON line per pass.
+
+    Runs on the CPUs it inherited from the parent (the parent pins itself
+    before starting it); the first line reports them and the thread count.
+    """
     import gc
     from importlib.metadata import version
 
@@ -248,7 +286,14 @@ def dynamo_worker(path: str) -> None:
     del ops
     gc.collect()
     gc.freeze()
-    print(json.dumps({"ready": True, "version": version("ai-dynamo-runtime")}), flush=True)
+    probe = RadixTree()  # the tree starts a thread of its own: count it
+    with open("/proc/self/status") as fh:
+        threads = next((int(line.split()[1]) for line in fh if line.startswith("Threads:")), None)
+    del probe
+    print(json.dumps({"ready": True, "version": version("ai-dynamo-runtime"),
+                      "cpus": sorted(os.sched_getaffinity(0)), "threads_with_a_tree": threads,
+                      "wire_bytes": sum(len(op[2]) for op in prepared if op[0] == "e")
+                      / max(1, sum(1 for op in prepared if op[0] == "e"))}), flush=True)
     first = True
     pc, loads = time.perf_counter, json.loads
     for line in sys.stdin:
@@ -292,6 +337,9 @@ class DynamoRunner:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         hello = self._read()
         self.version = hello["version"]
+        self.cpus = hello.get("cpus")
+        self.threads = hello.get("threads_with_a_tree")
+        self.wire_bytes = hello.get("wire_bytes", 0.0)
         self.scores: list[dict[int, int]] | None = None
 
     def _read(self) -> dict:
@@ -323,24 +371,27 @@ def _elementwise_min(best: list[list[float]] | None, new: tuple[list[float], ...
     return [list(map(min, a, b)) for a, b in zip(best, new)]
 
 
-def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str, block_map: str = "default") -> dict:
+def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str, block_map: str = "default",
+            wire: str = "binary") -> dict:
     """Alternate kvflow and Dynamo passes ``repeat`` times and summarise both.
 
     The machine may be shared, so every operation's time is the fastest of
     its ``repeat`` passes (the same estimator on both sides); rates are
     operations / sum of those times. ``best_pass`` rates use the fastest
-    whole pass instead.
+    whole pass instead. Runs on this process's CPUs (see :func:`pin`); the
+    Dynamo subprocess inherits them.
     """
     import gc
 
-    kv = KvflowRunner(ops, block_size, block_map)
+    kv = KvflowRunner(ops, block_size, block_map, wire)
     dyn, dyn_err = None, None
     kv_min = dyn_min = None
-    kv_pass = [float("inf")] * 3
+    kv_pass = [float("inf")] * 4
     dyn_pass = [float("inf")] * 2
     with tempfile.TemporaryDirectory() as tmp:
         if not Path(dynamo_python).exists():
-            dyn_err = f"no Dynamo venv python at {dynamo_python} (pip install ai-dynamo-runtime==1.6.1 there)"
+            dyn_err = (f"no Dynamo venv python at {dynamo_python} (shared/dynamo_baseline/setup.sh, or pip install "
+                       f"ai-dynamo-runtime==1.6.1 in a venv)")
         else:
             try:
                 dyn = DynamoRunner(dynamo_python, ops, tmp)
@@ -364,26 +415,31 @@ def compare(ops: list[tuple], block_size: int, repeat: int, dynamo_python: str, 
         finally:
             if dyn is not None:
                 dyn.close()
-    t_ev, t_dec, t_q = (sum(x) for x in kv_min)
+    t_ev, t_dec, t_q, t_full = (sum(x) for x in kv_min)
     n_ev, n_q = kv.n_events, kv.n_lookups
     result: dict = {"kvflow": {
+        "wire": wire, "wire_bytes_per_event": round(sum(len(d) for k, d in kv.items if k == "e") / n_ev, 1),
         "events_per_s": round(n_ev / t_ev), "find_matches_per_s": round(n_q / t_q),
-        "events_with_decode_per_s": round(n_ev / (t_ev + t_dec)),
+        "events_with_decode_per_s": round(n_ev / t_full),
         "best_pass": {"events_per_s": round(n_ev / kv_pass[0]), "find_matches_per_s": round(n_q / kv_pass[2]),
-                      "events_with_decode_per_s": round(n_ev / (kv_pass[0] + kv_pass[1]))},
-        "event_seconds": round(t_ev, 4), "decode_seconds": round(t_dec, 4), "find_matches_seconds": round(t_q, 4),
+                      "events_with_decode_per_s": round(n_ev / kv_pass[3])},
+        "event_seconds": round(t_ev, 4), "decode_seconds": round(t_dec, 4),
+        "events_with_decode_seconds": round(t_full, 4), "find_matches_seconds": round(t_q, 4),
     }, "dynamo": None, "dynamo_error": dyn_err, "ratio": None, "scores_agree": None}
     if dyn is not None and dyn_min is not None:
         d_ev, d_q = (sum(x) for x in dyn_min)
         result["dynamo"] = {
-            "version": dyn.version, "events_per_s": round(n_ev / d_ev), "find_matches_per_s": round(n_q / d_q),
+            "version": dyn.version, "cpus": dyn.cpus, "threads_with_a_tree": dyn.threads,
+            "wire_bytes_per_event": round(dyn.wire_bytes, 1),
+            "events_per_s": round(n_ev / d_ev), "find_matches_per_s": round(n_q / d_q),
             "best_pass": {"events_per_s": round(n_ev / dyn_pass[0]), "find_matches_per_s": round(n_q / dyn_pass[1])},
             "event_seconds": round(d_ev, 4), "find_matches_seconds": round(d_q, 4),
         }
         result["ratio"] = {
             "events": round(d_ev / t_ev, 2), "find_matches": round(d_q / t_q, 2),
-            "events_with_decode": round(d_ev / (t_ev + t_dec), 2),
+            "events_with_decode": round(d_ev / t_full, 2),
             "best_pass_events": round(dyn_pass[0] / kv_pass[0], 2),
+            "best_pass_events_with_decode": round(dyn_pass[0] / kv_pass[3], 2),
             "best_pass_find_matches": round(dyn_pass[1] / kv_pass[2], 2),
         }
         agree = sum(1 for a, b in zip(kv.scores, dyn.scores) if a == b)
@@ -443,7 +499,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--assign", choices=["round_robin", "prefix"], default="round_robin",
                     help="how requests are spread over workers")
-    ap.add_argument("--dynamo-python", default=DEFAULT_DYNAMO_PYTHON)
+    ap.add_argument("--dynamo-python", default=None,
+                    help=f"python of a venv with ai-dynamo-runtime (default: first existing of {DYNAMO_PYTHONS})")
+    ap.add_argument("--wire", choices=["binary", "json"], default="binary",
+                    help="kvflow's kv-events wire form: binary (schema version 2, what workers publish) or json (v1)")
+    ap.add_argument("--cpu", type=int, default=0, help="CPU both processes are pinned to")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin (figures then depend on the host's scheduler)")
     ap.add_argument("--block-map", choices=["default", "python"], default="default",
                     help="python: time the pure-Python block map (the fallback without the compiled one)")
     ap.add_argument("--routing", action="store_true", help="also replay kv/approx/round_robin/random")
@@ -452,14 +513,17 @@ def main() -> None:
     if args.dynamo_worker:
         dynamo_worker(args.dynamo_worker)
         return
+    cpus = pin(None if args.no_pin else args.cpu)
     trace = args.trace or default_trace()
     wl = build_workload(trace, args.workers, args.capacity, args.block_size, args.limit, args.assign)
     result: dict = {
         "bench": "kv_index", "trace": trace.name, "assign": args.assign, "workers": args.workers,
         "capacity_blocks": args.capacity,
         "block_size": args.block_size, "repeat": args.repeat, "workload": wl["stats"],
+        "pinned": not args.no_pin, "cpus": cpus,
         "block_map": args.block_map if args.block_map == "python" else ("compiled" if _compiled() else "python"),
-        **compare(wl["ops"], args.block_size, args.repeat, args.dynamo_python, args.block_map),
+        **compare(wl["ops"], args.block_size, args.repeat, args.dynamo_python or default_dynamo_python(),
+                  args.block_map, args.wire),
     }
     if args.routing:
         result["routing"] = run_routing(trace, ["kv", "approx", "round_robin", "random"])

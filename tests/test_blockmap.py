@@ -103,3 +103,48 @@ def test_bad_arguments_raise_and_change_nothing(impl):
         with pytest.raises(ValueError):
             m.store(bit, [1])
     assert sorted(m.hashes(0)) == [1, 2, 3] and m.count(0) == 3 and len(m) == 3
+
+
+def u64_buffers(hashes: list[int]) -> dict:
+    """The same hashes in every buffer form the maps take as native u64."""
+    import struct
+    from array import array
+
+    import numpy as np
+
+    raw = struct.pack(f"={len(hashes)}Q", *hashes)
+    offset = b"\x00\x00\x00" + raw  # an unaligned view into a larger record
+    return {"memoryview": memoryview(raw).cast("Q"), "unaligned_memoryview": memoryview(offset)[3:].cast("Q"),
+            "array": array("Q", hashes), "numpy": np.array(hashes, dtype=np.uint64)}
+
+
+@pytest.mark.parametrize("impl", ["compiled", "python"])
+def test_u64_buffers_act_as_the_same_ints(impl):
+    new = compiled.BlockMap if impl == "compiled" else _blockmap_py.BlockMap
+    rng = random.Random(3)
+    hashes = [0, 2**64 - 1, 2**63] + [rng.randrange(2**64) for _ in range(600)]  # > one C chunk of 256
+    want = new()
+    want.store(0, hashes)
+    want.remove(0, hashes[::5])
+    names = ["a"]
+    expected: dict = {}
+    want.match(hashes[1:40], names, expected)
+    for form, buf in u64_buffers(hashes).items():
+        m = new()
+        assert m.store(0, buf) == len(hashes), form
+        assert m.remove(0, u64_buffers(hashes[::5])[form]) == len(hashes[::5]), form
+        assert sorted(m.hashes(0)) == sorted(want.hashes(0)), form
+        got: dict = {}
+        m.match(u64_buffers(hashes[1:40])[form], names, got)
+        assert got == expected, form
+        assert m.store(1, u64_buffers([])[form]) == 0
+
+
+@pytest.mark.parametrize("impl", ["compiled", "python"])
+def test_other_buffers_stay_sequences_of_ints(impl):
+    from array import array
+
+    m = compiled.BlockMap() if impl == "compiled" else _blockmap_py.BlockMap()
+    assert m.store(0, b"\x01\x02") == 2  # bytes: a sequence of small ints, as before
+    assert m.store(1, array("I", [5, 6])) == 2  # 32-bit items: read as ints, not as u64
+    assert sorted(m.hashes(0)) == [1, 2] and sorted(m.hashes(1)) == [5, 6]

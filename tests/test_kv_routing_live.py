@@ -10,13 +10,16 @@ from kvflow.router.app import build_router_app
 from kvflow.router.hashing import compute_block_hashes
 from kvflow.router.inflight import kv_lagging
 from kvflow.schemas import (
+    BlockRemoved,
     BlockStored,
+    DeadLetter,
     InferenceRequest,
     KvEventBatch,
     ReplyTo,
     WorkerHeartbeat,
     WorkerRole,
     decode,
+    decode_kv_frame,
     encode,
     now_ms,
 )
@@ -137,6 +140,74 @@ async def test_event_gap_triggers_dump_request(kafka, waiter):
         await producer.stop()
 
 
+async def read_all(settings, topic: str, partitions: int, quiet_s: float = 1.5) -> list:
+    """Every record of ``topic`` so far: reads until ``quiet_s`` pass with nothing new."""
+    consumer = make_consumer(settings, auto_offset_reset="earliest")
+    await consumer.start()
+    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    out = []
+    try:
+        idle = 0.0
+        while idle < quiet_s:
+            batches = await consumer.getmany(timeout_ms=300)
+            got = [m for records in batches.values() for m in records]
+            out.extend(got)
+            idle = 0.0 if got else idle + 0.3
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_binary_kv_events_fold_and_malformed_ones_are_dead_lettered_once(kafka, waiter):
+    settings, catalog = kafka
+    producer = make_producer(settings)
+    await producer.start()
+    top = 2**64 - 1
+    w0 = compute_block_hashes(tokens(3, 64), BS)
+    good = [  # (key, value): binary batches, and one version-1 JSON record still on the topic
+        (b"w0", encode(KvEventBatch(worker_id="w0", event_id=0, block_size=BS, ts_ms=now_ms(),
+                                    events=[BlockStored(block_hashes=w0 + [top])]))),
+        (b"w0", KvEventBatch(worker_id="w0", event_id=1, block_size=BS, ts_ms=now_ms(),
+                             events=[BlockRemoved(block_hashes=[top])]).model_copy(update={"schema_version": 1})
+         .model_dump_json(exclude_none=True).encode()),
+        (b"w1", encode(KvEventBatch(worker_id="w1", event_id=0, block_size=BS, ts_ms=now_ms(),
+                                    events=[BlockStored(block_hashes=w0[:2])]))),
+    ]
+    valid = good[0][1]
+    bad = {
+        "garbage": bytes(range(255, -1, -1)),
+        "wrong_version": valid.replace(b"\xa1v\x02", b"\xa1v\x03"),
+        "truncated": valid[:-7],
+        # the 16 hash bytes (bin 8, length 0x10) declared 15 long and cut to match: not whole u64s
+        "short_hash_array": encode(KvEventBatch(worker_id="w2", event_id=0, block_size=BS, ts_ms=1,
+                                                events=[BlockStored(block_hashes=[1, 2])]))
+        .replace(b"\xc4\x10", b"\xc4\x0f")[:-1],
+        "bad_json": b'{"worker_id": "w3", "events": "none"}',
+    }
+    assert valid.count(b"\xa1v\x02") == 1 and bad["short_hash_array"].count(b"\xc4\x0f") == 1
+    router = await start_router(settings, catalog, "wire")  # its validator reads from the end, as in production
+    try:
+        for key, value in good[:2]:
+            await producer.send_and_wait(catalog.kv_events.name, value, key=key)
+        for name, value in bad.items():
+            await producer.send_and_wait(catalog.kv_events.name, value, key=name.encode())
+        await producer.send_and_wait(catalog.kv_events.name, good[2][1], key=good[2][0])
+        await waiter(lambda: router.counters["kv_batches"] == 3 and router.counters["dead_lettered"] == len(bad))
+        index = router.table.kv_index
+        assert index.held("w0") == set(w0) and index.held("w1") == set(w0[:2])
+        assert index.find_matches(w0).prefix("w0") == len(w0)
+        assert index.last_event_id("w0") == 1
+        letters = [decode(DeadLetter, m.value)
+                   for m in await read_all(settings, catalog.dead_letter.name, catalog.dead_letter.partitions)]
+        assert len(letters) == len(bad)  # once each, though the projection read them too
+        assert {d.key: d.original_value() for d in letters} == bad  # byte for byte, binary ones included
+        assert {d.source_topic for d in letters} == {catalog.kv_events.name}
+        assert "version 3" in {d.key: d.error for d in letters}["wrong_version"]
+    finally:
+        await router.app.stop()
+        await producer.stop()
+
+
 async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
     settings, catalog = kafka
     settings = settings.model_copy(update={"routing_policy": "kv"})
@@ -178,5 +249,8 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
             assert again["kvflow"]["overlap_blocks"] > 0
             assert again["kvflow"]["policy"] == "kv"
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        published = await read_all(settings, catalog.kv_events.name, catalog.kv_events.partitions, 0.6)
+        assert published and all(m.value[0] & 0xF0 == 0x80 for m in published)  # workers publish binary maps
+        assert all(decode_kv_frame(m.value).v == 2 for m in published)
     finally:
         await sup.stop()

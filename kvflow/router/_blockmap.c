@@ -10,6 +10,11 @@
  * every step costs an int object and a dict probe, here a multiply and one
  * cache line. The pure-Python twin, kvflow.router._blockmap_py, has the same
  * interface and semantics and is used when this module is not built.
+ *
+ * Hashes come as a sequence of Python ints, or as a C-contiguous buffer of
+ * native unsigned 64-bit integers (a memoryview cast to 'Q', array('Q'), a
+ * numpy uint64 array): the binary kv-events decoder hands the record's own
+ * bytes over that way, so no int object is made per block.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -118,6 +123,29 @@ static int to_key(PyObject *obj, uint64_t *out) {
     return 0;
 }
 
+/* Hashes given to a method: a sequence of ints, or a buffer of native u64. */
+typedef struct {
+    PyObject *fast;          /* sequence path: a new reference from PySequence_Fast */
+    PyObject **items;
+    Py_buffer view;          /* buffer path: view.obj != NULL */
+    const unsigned char *raw;
+    Py_ssize_t n;
+} Keys;
+
+/* A buffer format naming a native unsigned 64-bit integer ("Q", "=Q", "@Q",
+   "<Q" on a little-endian host, ">Q" on a big-endian one; "L" where long is
+   64-bit). */
+static int is_native_u64(const char *fmt, Py_ssize_t itemsize) {
+    if (itemsize != 8 || fmt == NULL) return 0;
+    if (*fmt == '@' || *fmt == '=') fmt++;
+#if PY_LITTLE_ENDIAN
+    else if (*fmt == '<') fmt++;
+#else
+    else if (*fmt == '>') fmt++;
+#endif
+    return (fmt[0] == 'Q' || fmt[0] == 'L') && fmt[1] == '\0';
+}
+
 /* Convert `len` Python ints to keys; ValueError (as to_key) on the first bad one. */
 static int convert_keys(PyObject **items, Py_ssize_t len, uint64_t *keys) {
     for (Py_ssize_t k = 0; k < len; k++)
@@ -125,12 +153,50 @@ static int convert_keys(PyObject **items, Py_ssize_t len, uint64_t *keys) {
     return 0;
 }
 
-/* Check every item is a valid key before anything changes (all or nothing). */
-static int validate_keys(PyObject **items, Py_ssize_t n) {
-    uint64_t key;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (to_key(items[k], &key) < 0) return -1;
+/* Open ``seq`` as keys. With ``validate``, every int is checked before
+   anything changes (all or nothing); a buffer of u64 needs no check. */
+static int keys_open(PyObject *seq, Keys *k, int validate) {
+    memset(k, 0, sizeof(*k));
+    if (!PyList_Check(seq) && !PyTuple_Check(seq) && PyObject_CheckBuffer(seq)) {
+        if (PyObject_GetBuffer(seq, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            if (k->view.ndim == 1 && is_native_u64(k->view.format, k->view.itemsize)) {
+                k->raw = (const unsigned char *)k->view.buf;
+                k->n = k->view.len / 8;
+                return 0;
+            }
+            PyBuffer_Release(&k->view);
+        } else {
+            PyErr_Clear();  /* not contiguous: read it as a sequence */
+        }
+        k->view.obj = NULL;
+    }
+    k->fast = PySequence_Fast(seq, "hashes must be a sequence");
+    if (!k->fast) return -1;
+    k->items = PySequence_Fast_ITEMS(k->fast);
+    k->n = PySequence_Fast_GET_SIZE(k->fast);
+    if (validate) {
+        uint64_t key;
+        for (Py_ssize_t i = 0; i < k->n; i++)
+            if (to_key(k->items[i], &key) < 0) {
+                Py_CLEAR(k->fast);
+                return -1;
+            }
+    }
     return 0;
+}
+
+/* Keys base..base+len-1 into ``out``. */
+static int keys_fill(const Keys *k, Py_ssize_t base, Py_ssize_t len, uint64_t *out) {
+    if (k->raw) {
+        memcpy(out, k->raw + (size_t)base * 8, (size_t)len * 8);
+        return 0;
+    }
+    return convert_keys(k->items + base, len, out);
+}
+
+static void keys_close(Keys *k) {
+    if (k->view.obj) PyBuffer_Release(&k->view);
+    Py_CLEAR(k->fast);
 }
 
 static int parse_bit(PyObject *obj, int *bit) {
@@ -144,20 +210,13 @@ static int parse_bit(PyObject *obj, int *bit) {
     return 0;
 }
 
-/* Parse ``(bit, hashes)`` and check every hash, so a mutation that follows is all
-   or nothing. Returns a new reference to the hashes as a fast sequence, or
-   NULL with an exception set. */
-static PyObject *bit_and_hashes(PyObject *args, const char *format, int *bit) {
+/* Parse ``(bit, hashes)`` and open the hashes, every one checked, so a
+   mutation that follows is all or nothing. */
+static int bit_and_keys(PyObject *args, const char *format, int *bit, Keys *keys) {
     PyObject *bit_obj, *seq;
-    if (!PyArg_ParseTuple(args, format, &bit_obj, &seq)) return NULL;
-    if (parse_bit(bit_obj, bit) < 0) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "hashes must be a sequence");
-    if (!fast) return NULL;
-    if (validate_keys(PySequence_Fast_ITEMS(fast), PySequence_Fast_GET_SIZE(fast)) < 0) {
-        Py_DECREF(fast);
-        return NULL;
-    }
-    return fast;
+    if (!PyArg_ParseTuple(args, format, &bit_obj, &seq)) return -1;
+    if (parse_bit(bit_obj, bit) < 0) return -1;
+    return keys_open(seq, keys, 1);
 }
 
 static PyObject *bm_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -179,23 +238,23 @@ static void bm_dealloc(BlockMap *m) {
 
 PyDoc_STRVAR(store_doc,
 "store(bit, hashes) -> int\n\n"
-"Mark the worker of slot ``bit`` (0..63) as holding every hash of the\n"
-"sequence ``hashes`` (ints in [0, 2**64)). Idempotent per hash. Returns\n"
-"how many hashes were new for that worker. Raises ValueError for a bit or\n"
-"hash out of range, and then changes nothing.");
+"Mark the worker of slot ``bit`` (0..63) as holding every hash of\n"
+"``hashes``: a sequence of ints in [0, 2**64), or a C-contiguous buffer\n"
+"of native unsigned 64-bit integers (format 'Q'). Idempotent per hash.\n"
+"Returns how many hashes were new for that worker. Raises ValueError for\n"
+"a bit or hash out of range, and then changes nothing.");
 
 static PyObject *bm_store(BlockMap *m, PyObject *args) {
     int bit;
-    PyObject *fast = bit_and_hashes(args, "OO:store", &bit);
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Keys src;
+    if (bit_and_keys(args, "OO:store", &bit, &src) < 0) return NULL;
+    Py_ssize_t n = src.n;
     uint64_t bitmask = (uint64_t)1 << bit;
     Py_ssize_t added = 0;
     uint64_t keys[CHUNK];
     for (Py_ssize_t base = 0; base < n; base += CHUNK) {
         Py_ssize_t len = n - base < CHUNK ? n - base : CHUNK;
-        if (convert_keys(items + base, len, keys) < 0) goto fail;
+        if (keys_fill(&src, base, len, keys) < 0) goto fail;
         /* Grow once per chunk so prefetched slots stay valid while inserting. */
         while ((m->used + (uint64_t)len) * 10 > m->cap * 7)
             if (rehash(m, m->cap * 2) < 0) goto fail;
@@ -224,11 +283,11 @@ static PyObject *bm_store(BlockMap *m, PyObject *args) {
             }
         }
     }
-    Py_DECREF(fast);
+    keys_close(&src);
     m->counts[bit] += added;
     return PyLong_FromSsize_t(added);
 fail:
-    Py_DECREF(fast);
+    keys_close(&src);
     m->counts[bit] += added;
     return NULL;
 }
@@ -244,24 +303,24 @@ static void maybe_shrink(BlockMap *m) {
 PyDoc_STRVAR(remove_doc,
 "remove(bit, hashes) -> int\n\n"
 "Mark the worker of slot ``bit`` as no longer holding the hashes in\n"
-"``hashes``; hashes it does not hold are ignored. Returns how many were\n"
+"``hashes`` (ints, or a buffer of native u64 as for store); hashes it\n"
+"does not hold are ignored. Returns how many were\n"
 "removed. Raises ValueError for a bit or hash out of range, and then\n"
 "changes nothing.");
 
 static PyObject *bm_remove(BlockMap *m, PyObject *args) {
     int bit;
-    PyObject *fast = bit_and_hashes(args, "OO:remove", &bit);
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Keys src;
+    if (bit_and_keys(args, "OO:remove", &bit, &src) < 0) return NULL;
+    Py_ssize_t n = src.n;
     uint64_t bitmask = (uint64_t)1 << bit;
     Py_ssize_t removed = 0;
     uint64_t tmask = m->cap - 1;
     uint64_t keys[CHUNK];
     for (Py_ssize_t base = 0; base < n; base += CHUNK) {
         Py_ssize_t len = n - base < CHUNK ? n - base : CHUNK;
-        if (convert_keys(items + base, len, keys) < 0) {
-            Py_DECREF(fast);
+        if (keys_fill(&src, base, len, keys) < 0) {
+            keys_close(&src);
             m->counts[bit] -= removed;
             return NULL;
         }
@@ -284,7 +343,7 @@ static PyObject *bm_remove(BlockMap *m, PyObject *args) {
             }
         }
     }
-    Py_DECREF(fast);
+    keys_close(&src);
     m->counts[bit] -= removed;
     if (m->used * 10 < m->cap) maybe_shrink(m);
     return PyLong_FromSsize_t(removed);
@@ -377,7 +436,8 @@ static int set_overlap(PyObject *out, PyObject *names, uint64_t bits, Py_ssize_t
 
 PyDoc_STRVAR(match_doc,
 "match(hashes, names, out) -> None\n\n"
-"Walk the chained sequence hashes ``hashes`` from block 0 and, for every\n"
+"Walk the chained sequence hashes ``hashes`` (ints, or a buffer of\n"
+"native u64 as for store) from block 0 and, for every\n"
 "worker slot b holding a non-empty leading run of them, set\n"
 "``out[names[b]] = run length`` (blocks). ``names`` is a list of worker\n"
 "ids by slot (None or a short list skips a slot); ``out`` a dict, updated\n"
@@ -388,16 +448,15 @@ PyDoc_STRVAR(match_doc,
 static PyObject *bm_match(BlockMap *m, PyObject *args) {
     PyObject *seq, *names, *out;
     if (!PyArg_ParseTuple(args, "OO!O!:match", &seq, &PyList_Type, &names, &PyDict_Type, &out)) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "hashes must be a sequence");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Keys src;
+    if (keys_open(seq, &src, 0) < 0) return NULL;
+    Py_ssize_t n = src.n;
     uint64_t running = ~(uint64_t)0;
     uint64_t keys[CHUNK];
     Py_ssize_t i = 0;
     for (Py_ssize_t base = 0; base < n && running; base += CHUNK) {
         Py_ssize_t len = n - base < CHUNK ? n - base : CHUNK;
-        if (convert_keys(items + base, len, keys) < 0) goto fail;
+        if (keys_fill(&src, base, len, keys) < 0) goto fail;
         for (Py_ssize_t k = 0; k < len && running; k++) {
             /* A short lookahead: the walk usually stops within a few blocks. */
             if (k + MATCH_AHEAD < len) __builtin_prefetch(&m->table[slot_of(m, keys[k + MATCH_AHEAD])], 0);
@@ -410,10 +469,10 @@ static PyObject *bm_match(BlockMap *m, PyObject *args) {
         }
     }
     if (running && n > 0 && set_overlap(out, names, running, n) < 0) goto fail;
-    Py_DECREF(fast);
+    keys_close(&src);
     Py_RETURN_NONE;
 fail:
-    Py_DECREF(fast);
+    keys_close(&src);
     return NULL;
 }
 

@@ -4,13 +4,33 @@ Same interface and semantics as its ``BlockMap`` (block hash -> bitmask of
 up to 64 worker slots holding it); :mod:`kvflow.router.index` falls back to
 it where the C module was not built. It is several times slower on events
 and lookups, and is tested against the compiled one on the same operations.
+
+Like the compiled map, every method taking hashes accepts a sequence of ints
+or a C-contiguous buffer of native unsigned 64-bit integers (a memoryview
+cast to ``'Q'``, ``array('Q')``, a numpy ``uint64`` array).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 _U64 = 1 << 64
+_NATIVE_U64 = {"Q", "=Q", "@Q", "L", "=L", "@L", ("<Q" if sys.byteorder == "little" else ">Q"),
+               ("<L" if sys.byteorder == "little" else ">L")}
+
+
+def _ints(hashes: Sequence[int]) -> Sequence[int]:
+    """``hashes`` as a sequence of ints: a buffer of native u64 is unpacked, anything else kept."""
+    if isinstance(hashes, (list, tuple)):
+        return hashes
+    try:
+        view = memoryview(hashes)  # type: ignore[arg-type]
+    except TypeError:
+        return hashes
+    if view.ndim == 1 and view.itemsize == 8 and view.format in _NATIVE_U64 and view.c_contiguous:
+        return view.cast("B").cast("Q").tolist()
+    return hashes
 
 
 def _key(h: object) -> int:
@@ -51,6 +71,7 @@ class BlockMap:
 
         Raises ValueError (changing nothing) for a bad slot or hash.
         """
+        hashes = _ints(hashes)
         b = _checked(bit, hashes)
         masks = self._masks
         added = 0
@@ -67,6 +88,7 @@ class BlockMap:
 
         Raises ValueError (changing nothing) for a bad slot or hash.
         """
+        hashes = _ints(hashes)
         b = _checked(bit, hashes)
         masks = self._masks
         removed = 0
@@ -110,6 +132,7 @@ class BlockMap:
         Slots beyond ``len(names)`` or named None are skipped. The walk stops
         at the first block no still-matching slot holds.
         """
+        hashes = _ints(hashes)
         masks = self._masks
         running = -1
         n = len(hashes)

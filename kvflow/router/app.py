@@ -29,7 +29,10 @@ Faust agents (consumer group, so each record is handled once per group):
 - ``track_workers`` dead-letters malformed heartbeats (every replica folds
   the workers topic itself, from its beginning; no changelogged table is
   kept, since nothing read it and each heartbeat cost a changelog write).
-- ``check_kv_events`` dead-letters malformed KV event batches.
+- ``check_kv_events`` dead-letters malformed KV event batches (binary or
+  legacy JSON), with the same :func:`~kvflow.schemas.decode_kv_frame` the
+  index projection uses, so the two agree on what is malformed; neither
+  builds a pydantic object per event of a binary record.
 - ``check_cancels`` dead-letters malformed cancel records. Every worker
   reads the whole cancels topic and skips them, so each bad record is
   dead-lettered once, not once per worker.
@@ -79,6 +82,7 @@ from kvflow.schemas import (
     WorkerHeartbeat,
     WorkerRole,
     decode,
+    decode_kv_frame,
     encode,
     now_ms,
 )
@@ -199,18 +203,22 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         log.warning("dead-lettering %s@%d: %s", msg.topic, msg.offset, error[:200])
         await app.producer.send(catalog.dead_letter.name, msg.topic.encode(), encode(record), None, None, None)
 
-    def validator(schema: type) -> Callable[[faust.StreamT], Awaitable[None]]:
+    def validator(schema: type, parse: Callable[[bytes], object] | None = None,
+                  ) -> Callable[[faust.StreamT], Awaitable[None]]:
         # Validation only: the readers that act on these records skip the ones that fail here.
+        # ``parse`` replaces decode(schema, ...) where the readers use a cheaper, equally strict decoder.
+        check_one = parse or functools.partial(decode, schema)
+
         async def check(stream: faust.StreamT) -> None:
             async for event in stream.events():
                 try:
-                    decode(schema, event.value)
+                    check_one(event.value)
                 except RecordError as exc:
                     await dead_letter(event, str(exc))
         return check
 
     app.agent(workers_topic, name="track_workers")(validator(WorkerHeartbeat))
-    app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch))
+    app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch, decode_kv_frame))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
     app.agent(inflight_topic, name="check_inflight")(validator(InflightRecord))
     app.agent(dumps_topic, name="check_kv_dump_requests")(validator(KvDumpRequest))
@@ -239,7 +247,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     async def on_kv_record(msg) -> None:
         try:
-            batch = decode(KvEventBatch, msg.value)
+            batch = decode_kv_frame(msg.value)  # hashes stay in the record's bytes; the index reads them there
         except RecordError:
             return  # dead-lettered once by check_kv_events
         if state.table.kv_index is None:

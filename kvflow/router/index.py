@@ -19,6 +19,9 @@ Design — one block map per tier, hash -> bitmask of the workers holding it:
 * A stored event sets the worker's bit on each hash, a removed event clears
   it (dropping the entry when no worker holds the block), ``cleared`` drops
   the worker's bit everywhere: each a single call into the map per event.
+  From Kafka the router applies each record as decoded into a
+  :class:`~kvflow.schemas.KvWireBatch`: an event's hashes reach the compiled
+  map as a ``'Q'`` memoryview of the record's bytes, no int per block.
 * :meth:`KvIndex.find_matches` walks the prompt's hashes once for all
   workers, AND-ing the masks; a worker's overlap is the depth at which its
   bit drops out, and the walk ends when no bit is left. One probe per block
@@ -75,7 +78,9 @@ from kvflow.schemas import (
     KvEvent,
     KvEventBatch,
     KvTier,
+    KvWireBatch,
 )
+from kvflow.schemas.kv_events import KvWireRemoved, KvWireStored
 
 try:
     from kvflow.router._blockmap import BlockMap
@@ -92,6 +97,7 @@ _TIERS = (KvTier.device, KvTier.host, KvTier.disk)
 _TIER_POS = {KvTier.device: 0, KvTier.host: 1, KvTier.disk: 2, "device": 0, "host": 1, "disk": 2}
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 _DEVICE = KvTier.device
+_AS_IS = (list, tuple, memoryview)  # hash containers the block maps take without a copy
 
 
 @dataclass(slots=True)
@@ -233,9 +239,14 @@ class KvIndex:
 
     # ---- events ----------------------------------------------------------
 
-    def apply(self, batch: KvEventBatch) -> ApplyResult:
+    def apply(self, batch: KvEventBatch | KvWireBatch) -> ApplyResult:
         """Fold one worker's batch into the index, honouring event ids.
 
+        ``batch`` is a :class:`~kvflow.schemas.KvEventBatch` or, on the
+        router's hot path, the :class:`~kvflow.schemas.KvWireBatch` that
+        :func:`~kvflow.schemas.decode_kv_frame` returns for a record (its
+        hashes go to the block maps as u64 buffers, no int object per block;
+        it must come from that function, which puts them in native order).
         A ``dump`` batch replaces the worker's state and resets its cursor to
         ``batch.event_id``. Otherwise duplicates are ignored and gaps are
         applied but reported (see the module docstring).
@@ -251,11 +262,12 @@ class KvIndex:
                 f"the index uses {self.block_size}"
             )
         worker_id, event_id = batch.worker_id, batch.event_id
+        fold = self._apply_wire_events if type(batch) is KvWireBatch else self._apply_events
         if batch.dump:
             self._clear(worker_id)
             self._cursor[worker_id] = event_id
             self._needs_dump.discard(worker_id)
-            return ApplyResult(worker_id, True, events=self._apply_events(worker_id, batch.events))
+            return ApplyResult(worker_id, True, events=fold(worker_id, batch.events))
         last = self._cursor.get(worker_id)
         if last is not None and event_id <= last:
             return ApplyResult(worker_id, False, duplicate=True, expected_event_id=last + 1)
@@ -263,7 +275,7 @@ class KvIndex:
         if gap:
             self._needs_dump.add(worker_id)
         self._cursor[worker_id] = event_id
-        n = self._apply_events(worker_id, batch.events)
+        n = fold(worker_id, batch.events)
         return ApplyResult(worker_id, True, gap=gap, expected_event_id=None if last is None else last + 1, events=n)
 
     def on_kv_events(self, worker_id: str, events: list[KvEvent]) -> None:
@@ -277,17 +289,21 @@ class KvIndex:
     def store_blocks(self, worker_id: str, block_hashes: Iterable[int], tier: KvTier | str = KvTier.device) -> None:
         """Record that ``worker_id`` now holds ``block_hashes`` in ``tier`` (idempotent).
 
+        ``block_hashes``: ints, or a ``'Q'`` memoryview of native u64 (used as is).
+
         Raises:
             ValueError: a hash outside [0, 2**64).
         """
         pos = _TIER_POS[tier]
         maps, bit = self._where(worker_id)
-        maps[pos].store(bit, block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes))
+        maps[pos].store(bit, block_hashes if isinstance(block_hashes, _AS_IS) else list(block_hashes))
         if pos:
             self._tiered.add(worker_id)
 
     def remove_blocks(self, worker_id: str, block_hashes: Iterable[int], tier: KvTier | str = KvTier.device) -> None:
         """Record that ``worker_id`` no longer holds ``block_hashes`` in ``tier`` (unknown ones ignored).
+
+        ``block_hashes`` as for :meth:`store_blocks`.
 
         Raises:
             ValueError: a hash outside [0, 2**64).
@@ -296,7 +312,7 @@ class KvIndex:
             return
         pos = _TIER_POS[tier]
         maps, bit = self._where(worker_id)
-        maps[pos].remove(bit, block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes))
+        maps[pos].remove(bit, block_hashes if isinstance(block_hashes, _AS_IS) else list(block_hashes))
         if pos and not maps[1].count(bit) and not maps[2].count(bit):
             self._tiered.discard(worker_id)
 
@@ -322,6 +338,26 @@ class KvIndex:
             else:  # pragma: no cover - the schema's discriminated union has no other member
                 raise TypeError(f"unknown KV event {kind.__name__}")
         return n
+
+    def _apply_wire_events(self, worker_id: str, events: list) -> int:
+        """:meth:`_apply_events` for the events of a decoded :class:`~kvflow.schemas.KvWireBatch`."""
+        maps, bit = self._where(worker_id)
+        device = maps[0]
+        for ev in events:
+            kind = type(ev)
+            if kind is KvWireStored:
+                if ev.tier is _DEVICE:
+                    device.store(bit, ev.block_hashes.cast("Q"))
+                else:
+                    self.store_blocks(worker_id, ev.block_hashes.cast("Q"), ev.tier)
+            elif kind is KvWireRemoved:
+                if ev.tier is _DEVICE:
+                    device.remove(bit, ev.block_hashes.cast("Q"))
+                else:
+                    self.remove_blocks(worker_id, ev.block_hashes.cast("Q"), ev.tier)
+            else:
+                self._clear(worker_id)
+        return len(events)
 
     def _clear(self, worker_id: str) -> None:
         """Drop every block of ``worker_id`` (all tiers), keeping the worker known."""

@@ -2,7 +2,9 @@
 
 Nothing outside this package defines a record's shape. Every record is a
 frozen pydantic model with a ``schema_version``; :func:`encode` and
-:func:`decode` are the only wire (de)serializers.
+:func:`decode` are the only wire (de)serializers, except that the router's
+hot path reads kv-events records with :func:`decode_kv_frame` (same checks,
+no pydantic object per event).
 """
 
 from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
@@ -10,6 +12,7 @@ from kvflow.schemas.control import CancelReason, CancelRequest
 from kvflow.schemas.dead_letter import DeadLetter
 from kvflow.schemas.inflight import InflightRecord, RequestAdmitted, RequestFinished
 from kvflow.schemas.kv_events import (
+    KV_WIRE_VERSION,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,6 +20,9 @@ from kvflow.schemas.kv_events import (
     KvEvent,
     KvEventBatch,
     KvTier,
+    KvWireBatch,
+    decode_kv_frame,
+    encode_kv_batch,
 )
 from kvflow.schemas.metrics import MetricRecord, RequestMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
@@ -42,9 +48,10 @@ from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "ChatMessage",
     "DeadLetter", "ErrorInfo",
-    "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KvDumpRequest", "KvEvent",
-    "KvEventBatch", "KvTier", "MetricRecord", "Record", "RecordError", "ReplyTo", "RequestAdmitted",
-    "RequestFinished", "RequestKind", "RequestMetrics",
+    "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
+    "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
+    "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
-    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "decode", "encode", "now_ms",
+    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "decode", "decode_kv_frame",
+    "encode", "encode_kv_batch", "now_ms",
 ]
