@@ -30,7 +30,11 @@ from kvflow.streams.broker import EmbeddedBroker
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
 from kvflow.streams.kafka import create_topics
 
-__all__ = ["WorkerSpec", "Supervisor"]
+__all__ = ["WorkerSpec", "Supervisor", "BRIDGE_KEEP_ALIVE_S"]
+
+BRIDGE_KEEP_ALIVE_S = 75
+"""Idle keep-alive of the bridge's HTTP connections, seconds: above common
+client pool timeouts (aiohttp 15 s, httpx 5 s), as load balancers do (60 s+)."""
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +91,12 @@ class Supervisor:
 
             from kvflow.streams.bridge.app import build_app
 
+            # Keep-alive longer than HTTP clients' pool idle timeouts (aiohttp: 15 s): with
+            # uvicorn's 5 s default, a client reusing a connection the server is closing
+            # loses the request ("Cannot write to closing transport"; 2 of 300 AIPerf
+            # requests on a CPU-saturated machine).
             config = uvicorn.Config(build_app(self.settings, self.catalog), host=self.host, port=self.port,
-                                    log_level="warning", lifespan="on")
+                                    log_level="warning", lifespan="on", timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)
             self._uvicorn = uvicorn.Server(config)
             self._uvicorn.install_signal_handlers = lambda: None  # the supervisor owns signals
             self._bridge_task = asyncio.create_task(self._uvicorn.serve(), name="bridge")
