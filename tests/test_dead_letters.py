@@ -165,7 +165,8 @@ class DeadLetterReader:
 
 def router_assigned(router, catalog) -> bool:
     """The router's consumer group holds every partition of the topics its agents read."""
-    specs = (catalog.requests, catalog.workers, catalog.kv_events, catalog.cancels, catalog.kv_dump_requests)
+    specs = (catalog.requests, catalog.workers, catalog.kv_events, catalog.cancels, catalog.kv_dump_requests,
+             catalog.inflight)
     wanted = {(s.name, p) for s in specs for p in range(s.partitions)}
     return wanted <= {(tp.topic, tp.partition) for tp in router.app.consumer.assignment()}
 
@@ -190,6 +191,7 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
         (catalog.responses.name, d.bridge_slot): f"bridge:{d.bridge_slot}",
         (catalog.workers.name, 0): d.router.router_id,
         (catalog.kv_events.name, 0): d.router.router_id,
+        (catalog.inflight.name, 0): d.router.router_id,
         (catalog.kv_dump_requests.name, 0): d.router.router_id,
         (catalog.metrics.name, 0): "planner-sink",
         (catalog.cancels.name, 0): d.router.router_id,
@@ -285,6 +287,6 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
         assert per_target == {target: 2 for target in targets}, reader.summary()
         assert len({(x.source_topic, x.partition, x.offset) for x in reader.letters}) == len(reader.letters)
 
-    assert d.router.counters["dead_lettered"] == 10
+    assert d.router.counters["dead_lettered"] == 12
     assert d.worker.dlq.count == 2 and d.worker.malformed_cancels == 2
     assert d.sink.dlq.count == 2 and d.connector.dlq.count == 2
