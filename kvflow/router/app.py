@@ -67,6 +67,7 @@ from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
 from kvflow.router.projections import follow_topic
 from kvflow.router.shedding import BoundedRequestQueue, QueueFull, ShedConfig, has_free_worker, shed
+from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     CancelRequest,
@@ -79,6 +80,7 @@ from kvflow.schemas import (
     KvDumpRequest,
     KvEventBatch,
     RecordError,
+    RequestFinished,
     WorkerHeartbeat,
     WorkerRole,
     decode,
@@ -115,7 +117,7 @@ class RouterApp:
     policy: str
     counters: dict[str, int] = field(default_factory=lambda: {
         "routed": 0, "rejected": 0, "dead_lettered": 0, "shed": 0, "queued": 0, "kv_batches": 0, "kv_gaps": 0,
-        "inflight_records": 0, "kv_waits": 0, "kv_wait_timeouts": 0})
+        "inflight_records": 0, "kv_waits": 0, "kv_wait_timeouts": 0, "worker_lost": 0})
     queue: BoundedRequestQueue | None = None
     """Requests held while every worker is busy (``shed_mode="queue"``)."""
     workers_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
@@ -126,6 +128,9 @@ class RouterApp:
     """Set once the inflight topic's history has been folded into the table."""
     kv_progress: asyncio.Event = field(default_factory=asyncio.Event)
     """Set each time a KV event batch is folded (wakes a decision waiting for one)."""
+    orphans: Orphans = field(default_factory=Orphans)
+    """Requests this replica routed, until their worker reports them finished
+    (answered ``worker_lost`` if the worker expires first)."""
 
 
 def build_router_app(settings: Settings, catalog: Catalog | None = None, *, policy: str | None = None,
@@ -275,6 +280,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             return  # dead-lettered once by check_inflight
         apply_inflight_record(state.table, record)
         state.counters["inflight_records"] += 1
+        if isinstance(record, RequestFinished):
+            state.orphans.finished(record.request_id, record.worker_id)
 
     @app.task
     async def project_inflight() -> None:
@@ -293,6 +300,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     async def housekeeping() -> None:
         now = now_ms()
         expired = expire_workers(state.table, now)
+        await answer_lost(expired)
         index = state.table.kv_index
         if isinstance(index, KvIndex):
             for worker_id in expired:
@@ -325,7 +333,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         if uses_events:
             await wait_for_finished_kv()
         now = now_ms()
-        expire_workers(state.table, now)
+        await answer_lost(expire_workers(state.table, now))
         role = decode_role(state.table, request.model)
         candidates = state.table.candidates(request.model, role)
         decision = shed(candidates, shed_config, queued=len(state.queue) if state.queue is not None else 0)
@@ -383,8 +391,10 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         free_ids = {w.worker_id for w in free}
         state.table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)
         try:
-            await route_and_forward(state.policy, request, route_req, state.table, disagg_config, send_record,
-                                    router_id=router_id, now_ms=now)
+            placement = await route_and_forward(state.policy, request, route_req, state.table, disagg_config,
+                                                send_record, router_id=router_id, now_ms=now)
+            state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
+                                      placement.decision.prefill_worker_id, request.reply_to))
         except NoWorkerAvailable as exc:
             state.counters["rejected"] += 1
             await reply_error(request, str(exc), status=503, code="no_workers")
@@ -412,6 +422,17 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             released += 1
             decision = shed(candidates, shed_config)
             await dispatch(request, role, candidates, decision.candidates or free, now)
+
+    async def answer_lost(gone: list[str]) -> None:
+        for routed in state.orphans.take_lost(gone):
+            state.counters["worker_lost"] += 1
+            log.warning("worker of %s expired before finishing it; answering worker_lost", routed.request_id)
+            final = FinalResponse(
+                request_id=routed.request_id, finish_reason=FinishReason.error, worker_id=routed.worker_id,
+                error=ErrorInfo(message=f"worker {routed.worker_id} stopped responding before the request finished",
+                                type="service_unavailable", code="worker_lost", status=503, retry_after_s=1))
+            await app.producer.send(routed.reply_to.topic, routed.request_id.encode(), encode(final),
+                                    routed.reply_to.partition, None, None)
 
     async def send_record(topic: str, partition: int, key: bytes, value: bytes) -> None:
         await app.producer.send(topic, key, value, partition, None, None)
