@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--py-spy-dir", type=Path, default=None)
     ap.add_argument("--py-spy-s", type=int, default=60)
     ap.add_argument("--max-input-length", type=int, default=None)
+    ap.add_argument("--aiperf-arg", action="append", default=[],
+                    help="Extra `aiperf profile` argument (repeatable), e.g. --aiperf-arg=--request-timeout-seconds=60")
     args = ap.parse_args()
 
     aiperf = find_aiperf()
@@ -267,6 +269,8 @@ def main() -> None:
                "--artifact-dir", str(work / "aiperf")]
         if args.max_input_length:
             cmd += ["--max-input-length", str(args.max_input_length)]
+        if args.aiperf_arg:
+            cmd += ["--", *args.aiperf_arg]
         rc = subprocess.call(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
         load_s = time.monotonic() - t0
         load = delta(c0, cpu_seconds(procs))
