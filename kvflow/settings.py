@@ -117,6 +117,11 @@ class Settings(BaseSettings):
     at ~100k tokens). On a real cluster, topics kvflow creates get this as
     ``max.message.bytes``. Defaults to 16 MiB."""
 
+    max_migrations: int = Field(default=3, ge=0)
+    """How often a client (the bridge included) resubmits a request whose worker
+    was lost mid-request, with the output delivered so far appended, before
+    passing the error on. Defaults to 3."""
+
     stream_flush_tokens: int = Field(default=16, ge=1)
     """A worker sends a request's buffered tokens as one ``TokenDelta`` once
     this many are buffered (1: a record per engine output). The first output

@@ -1,6 +1,7 @@
-"""A worker that dies mid-request: its requests are answered ``worker_lost``
-(retryable 503) once the router expires it, instead of waiting for the
-request timeout; another worker then serves new requests."""
+"""A worker that dies mid-request: the router answers its requests
+``worker_lost`` once it expires the worker, and the client resubmits each
+with the output delivered so far (migration), so the caller sees one
+uninterrupted stream; with migration off the caller gets the 503."""
 
 from __future__ import annotations
 
@@ -33,26 +34,39 @@ def test_orphans_forget_finished_and_hand_back_lost_ones():
     assert len(o) == 3 and [r.request_id for r in o.take_lost({"w"})] == ["r2", "r3", "r4"]
 
 
-async def test_requests_of_a_killed_worker_end_with_worker_lost(kafka):
+async def kill_serving_worker(sup, worker_id: str) -> None:
+    child = sup.children.pop(worker_id)
+    child.process.send_signal(signal.SIGKILL)
+    await child.process.wait()
+
+
+async def stream_killing_the_worker(sup, client, req) -> tuple[list[TokenDelta], FinalResponse]:
+    """Stream ``req``; SIGKILL the worker serving it at its first delta."""
+    deltas, final, killed = [], None, False
+    async with contextlib.aclosing(client.stream(req)) as events:
+        async for event in events:
+            if isinstance(event, TokenDelta):
+                deltas.append(event)
+                if not killed:
+                    killed = True
+                    await kill_serving_worker(sup, event.worker_id)
+            else:
+                final = event
+    return deltas, final
+
+
+async def test_without_migration_a_killed_workers_request_ends_worker_lost(kafka):
     settings, _ = kafka
+    settings = settings.model_copy(update={"max_migrations": 0})
     # Slow decode (speedup 0.05): the request is still streaming when its worker is killed.
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "0.05"])
     async with running_deployment(settings, spec, workers=1, bridge=False) as sup:
         async with KvflowClient(sup.settings, sup.catalog, timeout_s=120) as client:
             req = client.new_request(MODEL, prompt="tell me a long story", sampling=SamplingParams(max_tokens=4000))
-            final = None
-            async with contextlib.aclosing(client.stream(req)) as events:
-                async for event in events:
-                    if isinstance(event, TokenDelta) and sup.children:
-                        child = next(iter(sup.children.values()))
-                        child.process.send_signal(signal.SIGKILL)
-                        await child.process.wait()
-                        del sup.children[child.worker_id]
-                    elif isinstance(event, FinalResponse):
-                        final = event
+            _, final = await stream_killing_the_worker(sup, client, req)
             assert final is not None and final.finish_reason is FinishReason.error, final
             assert final.error.code == "worker_lost" and final.error.status == 503
-            assert sup.router.counters["worker_lost"] == 1
+            assert sup.router.counters["worker_lost"] == 1 and client.migrations == 0
 
             # A new worker serves the next request.
             await sup.start_worker()
@@ -60,3 +74,24 @@ async def test_requests_of_a_killed_worker_end_with_worker_lost(kafka):
             ok = await asyncio.wait_for(client.complete(client.new_request(
                 MODEL, prompt="hi", sampling=SamplingParams(max_tokens=2))), 120)
             assert ok.finish_reason is FinishReason.length
+
+
+async def test_a_killed_workers_request_migrates_and_matches_an_uninterrupted_run(kafka):
+    settings, _ = kafka
+    spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "0.2"])
+    async with running_deployment(settings, spec, workers=2, bridge=False) as sup:
+        async with KvflowClient(sup.settings, sup.catalog, timeout_s=120) as client:
+            req = client.new_request(MODEL, prompt="tell me a long story", token_ids=list(range(1, 300)),
+                                     sampling=SamplingParams(max_tokens=300))
+            deltas, final = await stream_killing_the_worker(sup, client, req)
+            assert final is not None and final.error is None, final
+            assert final.finish_reason is FinishReason.length and client.migrations == 1
+            streamed = [t for d in deltas for t in d.token_ids]
+            assert [d.index for d in deltas] == list(range(len(deltas)))  # one stream
+            assert streamed == final.token_ids and len(final.token_ids) == 300  # nothing lost or repeated
+            assert final.usage.completion_tokens == 300 and final.usage.prompt_tokens == 299
+            assert "".join(d.text for d in deltas) == final.text
+
+            # The same request (same id: the mocker's output depends on it) served without a fault.
+            again = await asyncio.wait_for(client.complete(req), 120)
+            assert again.error is None and again.token_ids == final.token_ids

@@ -394,7 +394,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             placement = await route_and_forward(state.policy, request, route_req, state.table, disagg_config,
                                                 send_record, router_id=router_id, now_ms=now)
             state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
-                                      placement.decision.prefill_worker_id, request.reply_to))
+                                      placement.decision.prefill_worker_id, request.reply_to, request.attempt))
         except NoWorkerAvailable as exc:
             state.counters["rejected"] += 1
             await reply_error(request, str(exc), status=503, code="no_workers")
@@ -430,7 +430,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             final = FinalResponse(
                 request_id=routed.request_id, finish_reason=FinishReason.error, worker_id=routed.worker_id,
                 error=ErrorInfo(message=f"worker {routed.worker_id} stopped responding before the request finished",
-                                type="service_unavailable", code="worker_lost", status=503, retry_after_s=1))
+                                type="service_unavailable", code="worker_lost", status=503, retry_after_s=1),
+                attempt=routed.attempt)
             await app.producer.send(routed.reply_to.topic, routed.request_id.encode(), encode(final),
                                     routed.reply_to.partition, None, None)
 
@@ -443,6 +444,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             request_id=request.request_id, finish_reason=FinishReason.error,
             error=ErrorInfo(message=message, type="service_unavailable" if status == 503 else "server_error",
                             code=code, status=status, retry_after_s=retry_after_s),
+            attempt=request.attempt,
         )
         await app.producer.send(request.reply_to.topic, request.request_id.encode(), encode(final),
                                 request.reply_to.partition, None, None)

@@ -42,6 +42,7 @@ class Routed:
     worker_id: str
     prefill_worker_id: str | None
     reply_to: ReplyTo
+    attempt: int = 0
 
 
 @dataclass

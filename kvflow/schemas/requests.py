@@ -99,6 +99,13 @@ class InferenceRequest(Record):
     Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
     caller stops waiting; workers drop requests already past it. Higher
     ``priority`` is served first where a queue orders by it.
+
+    Migration: ``attempt`` counts resubmissions of the request after its
+    worker was lost (0 for the first); a resubmission carries the output
+    already delivered appended to ``token_ids``, counted by
+    ``resumed_tokens``, with ``sampling.max_tokens`` reduced by as much.
+    Workers echo ``attempt`` on every response record, so a client ignores
+    records of an earlier attempt.
     """
 
     request_id: str = Field(min_length=1, max_length=256)
@@ -115,6 +122,8 @@ class InferenceRequest(Record):
     lora_name: str | None = None
     routing: RoutingDecision | None = None
     disaggregated_params: dict[str, Any] | None = None
+    attempt: int = Field(default=0, ge=0, le=1000)
+    resumed_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _has_input(self) -> "InferenceRequest":

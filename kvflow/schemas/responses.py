@@ -68,6 +68,8 @@ class TokenDelta(Record):
     token_ids: list[int]
     text: str = ""
     worker_id: str = ""
+    attempt: int = 0
+    """The request's ``attempt`` this record answers (see :class:`~kvflow.schemas.InferenceRequest`)."""
 
 
 class FinalResponse(Record):
@@ -89,6 +91,8 @@ class FinalResponse(Record):
     routing: RoutingDecision | None = None
     error: ErrorInfo | None = None
     kv_transfer: KvTransferInfo | None = None
+    attempt: int = 0
+    """The request's ``attempt`` this record answers (see :class:`~kvflow.schemas.InferenceRequest`)."""
 
 
 ResponseEvent = Annotated[Union[TokenDelta, FinalResponse], Field(discriminator="type")]

@@ -11,6 +11,16 @@ record of its slot, whether or not a request of this client waits for it,
 so each malformed record is dead-lettered once as long as each slot has one
 reader (give every bridge replica and client its own slot).
 
+Migration: when a request's worker is lost (the router answers
+``worker_lost``; a worker stopped mid-request answers ``worker_stopped``),
+:meth:`KvflowClient.stream` resubmits it, up to ``settings.max_migrations``
+times, with the output delivered so far appended to its prompt, and goes on
+yielding one stream: delta indices continue, the final record carries the
+whole text and usage. Records of an earlier attempt (a worker thought lost
+that still answers) are dropped. Needs the request's ``token_ids`` (the
+bridge always sends them); a stop string spanning the migration point is
+not detected.
+
 The responses reader is supervised: a reader that fails, or that makes no
 progress for ``STALL_S`` while its partition holds unread records, is
 replaced by a new consumer positioned at the first record not yet delivered,
@@ -58,7 +68,10 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 
-__all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S"]
+__all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE"]
+
+MIGRATABLE = frozenset({"worker_lost", "worker_stopped"})
+"""Error codes of a final record after which a request is resubmitted elsewhere."""
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +126,7 @@ class KvflowClient:
         self._next_offset: int | None = None  # first record not yet delivered
         self._progress = time.monotonic()  # last delivery, or last fetch that found the slot read to its end
         self.reader_restarts = 0
+        self.migrations = 0  # requests resubmitted after their worker was lost
 
     @property
     def reply_to(self) -> ReplyTo:
@@ -269,7 +283,8 @@ class KvflowClient:
     async def stream(self, request: InferenceRequest, *, key: str | None = None,
                      ) -> AsyncIterator[TokenDelta | FinalResponse]:
         """Send ``request`` (partition ``key`` as in :meth:`submit`) and yield its
-        :class:`TokenDelta` records, then its :class:`FinalResponse`.
+        :class:`TokenDelta` records, then its :class:`FinalResponse`; a request
+        whose worker is lost continues on another (see the module doc).
 
         Raises:
             RequestTimeout: nothing arrived for ``timeout_s``.
@@ -279,6 +294,11 @@ class KvflowClient:
             raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request.request_id] = queue
+        current = request
+        delivered_ids: list[int] = []  # output ids yielded so far, all attempts
+        delivered_text: list[str] = []
+        prior = 0  # of those, the ones produced before the current attempt
+        index = 0
         try:
             await self.submit(request, key=key)
             while True:
@@ -286,14 +306,57 @@ class KvflowClient:
                     event = await asyncio.wait_for(queue.get(), self.timeout_s)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(f"no response to {request.request_id} within {self.timeout_s} s") from None
+                if event.attempt != current.attempt:
+                    continue  # an earlier attempt's worker still answering
+                if isinstance(event, TokenDelta):
+                    delivered_ids.extend(event.token_ids)
+                    delivered_text.append(event.text)
+                    if event.index != index:
+                        event = event.model_copy(update={"index": index})
+                    index += 1
+                    yield event
+                    continue
+                nxt = self._continuation(request, current, event, delivered_ids)
+                if nxt is not None:
+                    self.migrations += 1
+                    log.warning("request %s: %s; resubmitting (attempt %d) after %d output tokens",
+                                request.request_id, event.error.code, nxt.attempt, len(delivered_ids))
+                    current, prior = nxt, len(delivered_ids)
+                    await self.submit(nxt, key=key)
+                    continue
+                if current.attempt and event.error is None:
+                    event = self._merged_final(request, event, delivered_ids[:prior], "".join(delivered_text), prior)
                 yield event
-                if isinstance(event, FinalResponse):
-                    return
+                return
         finally:
             # The generator may be closed late (an abandoned ``async for``);
             # never drop a newer stream that reused the request id.
             if self._pending.get(request.request_id) is queue:
                 del self._pending[request.request_id]
+
+    def _continuation(self, original: InferenceRequest, current: InferenceRequest, final: FinalResponse,
+                      delivered: list[int]) -> InferenceRequest | None:
+        """The resubmission of ``original`` after ``final`` (None: pass ``final`` on)."""
+        if (final.error is None or final.error.code not in MIGRATABLE or original.token_ids is None
+                or current.attempt >= self.settings.max_migrations):
+            return None
+        left = original.sampling.max_tokens - len(delivered)
+        if left <= 0:
+            return None
+        return original.model_copy(update={
+            "token_ids": [*original.token_ids, *delivered], "attempt": current.attempt + 1,
+            "resumed_tokens": original.resumed_tokens + len(delivered),
+            "sampling": original.sampling.model_copy(update={"max_tokens": left}), "routing": None,
+        })
+
+    @staticmethod
+    def _merged_final(original: InferenceRequest, final: FinalResponse, prior_ids: list[int], text: str,
+                      prior: int) -> FinalResponse:
+        """The final record of a migrated request as one uninterrupted request's:
+        all output ids and text, the original prompt length."""
+        usage = final.usage.model_copy(update={
+            "prompt_tokens": len(original.token_ids or ()), "completion_tokens": prior + final.usage.completion_tokens})
+        return final.model_copy(update={"token_ids": [*prior_ids, *final.token_ids], "text": text, "usage": usage})
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:
         """Send ``request`` and return its final response (deltas are skipped)."""

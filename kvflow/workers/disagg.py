@@ -55,7 +55,8 @@ PULLABLE = ("nixl", "tcp")
 
 def _generate_request(request: InferenceRequest, prompt_ids: list[int]) -> GenerateRequest:
     return GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                           sampling=request.sampling, lora_name=request.lora_name)
+                           sampling=request.sampling, lora_name=request.lora_name,
+                           resumed_tokens=request.resumed_tokens)
 
 
 async def expose_kv(worker: Worker, request: InferenceRequest, result: PrefillResult) -> TransferDescriptor | None:

@@ -299,6 +299,8 @@ class Worker:
                 await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
 
     async def _send(self, request: InferenceRequest, record: Any) -> None:
+        if request.attempt and getattr(record, "attempt", request.attempt) != request.attempt:
+            record = record.model_copy(update={"attempt": request.attempt})
         await self.producer.send(request.reply_to.topic, encode(record), key=request.request_id.encode(),
                                  partition=request.reply_to.partition)
 
@@ -483,7 +485,8 @@ class Worker:
             return
         prompt_ids = self.prompt_ids(request)
         gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                              sampling=request.sampling, lora_name=request.lora_name)
+                              sampling=request.sampling, lora_name=request.lora_name,
+                              resumed_tokens=request.resumed_tokens)
         await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],

@@ -27,12 +27,18 @@ class GenerateRequest:
     """One request as an engine sees it: prompt token ids and sampling settings.
 
     ``prompt_token_ids`` has shape [ISL]. ``lora_name`` salts block hashes.
+    ``resumed_tokens``: how many of the last prompt ids are output this
+    request already produced on a worker that was lost (a migrated request);
+    engines that draw output ids from a request-seeded sequence (the mocker)
+    continue it from there, so a migrated request's output equals an
+    uninterrupted one.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lora_name: str | None = None
+    resumed_tokens: int = 0
 
 
 @dataclass

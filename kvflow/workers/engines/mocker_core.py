@@ -56,7 +56,8 @@ The mocker has no end-of-sequence token: every request produces exactly
 other sampling settings are ignored. Output ids are pseudo-random but
 deterministic: token ``i`` of a request is
 ``xxh3_64(u64le(request_seed) ‖ u64le(i)) mod vocab_size`` with
-``request_seed = xxh3_64(f"{config.seed}:{request_id}")``.
+``request_seed = xxh3_64(f"{config.seed}:{request_id}")``; a migrated
+request (``resumed_tokens`` = k) starts at ``i = k``.
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ class _Seq:
 
     __slots__ = (
         "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
-        "hashes", "hash_seed", "lora_name", "token_seed", "cap", "committed", "running", "imported",
+        "hashes", "hash_seed", "lora_name", "token_seed", "token_offset", "cap", "committed", "running",
+        "imported",
     )
 
     def __init__(self, request: GenerateRequest, config: MockerConfig) -> None:
@@ -231,6 +233,7 @@ class _Seq:
             else []
         )
         self.token_seed = _xxh3(f"{config.seed}:{self.rid}".encode())
+        self.token_offset = request.resumed_tokens  # output ids already produced elsewhere (migration)
         self.cap = 0  # tokens the allocated blocks can hold
         self.committed = 0  # blocks committed to the pool
         self.running = False
@@ -238,7 +241,7 @@ class _Seq:
 
     def import_first_token(self, config: MockerConfig) -> None:
         """Append output token 0 (what the prefill worker sampled) and extend the block hashes."""
-        token = _xxh3(_pack_pair(self.token_seed, 0)) % config.vocab_size
+        token = _xxh3(_pack_pair(self.token_seed, self.token_offset)) % config.vocab_size
         self.tokens.append(token)
         self.num_generated = 1
         self.imported = True
@@ -449,7 +452,7 @@ class MockerCore:
             if seq.num_computed < len(tokens):
                 continue  # prefill chunk: no token yet
             index = seq.num_generated
-            token = _xxh3(_pack_pair(seq.token_seed, index)) % vocab
+            token = _xxh3(_pack_pair(seq.token_seed, seq.token_offset + index)) % vocab
             tokens.append(token)
             seq.num_generated = index + 1
             if caching and len(tokens) % bs == 0:
