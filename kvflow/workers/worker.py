@@ -155,6 +155,7 @@ class Worker:
         self.served = 0
         self.aborted = 0  # requests ended because of a cancel record
         self.malformed_cancels = 0  # cancel records that failed validation (skipped)
+        self.skipped_foreign = 0  # queue records routed to a predecessor on this slot (skipped)
         self._aborted_reported = 0  # self.aborted at the last metrics snapshot
         # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
@@ -290,6 +291,9 @@ class Worker:
                     continue
                 if request.request_id in self.inflight:
                     continue  # duplicate delivery of a request already being served
+                if self._routed_elsewhere(request):
+                    self.skipped_foreign += 1  # its router answers it worker_lost; the client resubmits
+                    continue
                 early = self.early_cancels.pop(request.request_id, None)
                 if early is not None:
                     self.aborted += 1  # its cancel overtook it; _serve answers abort at once
@@ -297,6 +301,17 @@ class Worker:
                 self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
             if records:
                 await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
+
+    def _routed_elsewhere(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` was routed to another worker on this slot (a
+        predecessor that crashed): serving it too would answer it twice,
+        since the router answers a lost worker's requests ``worker_lost``
+        and the client resubmits them."""
+        routing = request.routing
+        if routing is None:
+            return False
+        target = routing.prefill_worker_id if self.config.role is WorkerRole.prefill else routing.worker_id
+        return bool(target) and target != self.config.worker_id
 
     async def _send(self, request: InferenceRequest, record: Any) -> None:
         if request.attempt and getattr(record, "attempt", request.attempt) != request.attempt:
@@ -688,6 +703,7 @@ class Worker:
         """A JSON-friendly status dict (for logs and tests)."""
         return {"worker_id": self.config.worker_id, "status": self.status.value, "inflight": len(self.inflight),
                 "served": self.served, "aborted": self.aborted, "malformed_cancels": self.malformed_cancels,
+                "skipped_foreign": self.skipped_foreign,
                 "dead_letters": self.dlq.count}
 
 
