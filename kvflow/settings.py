@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     the first record after a long quiet spell, per hop, and sets the idle CPU
     cost. Defaults to 1000."""
 
+    router_state_wait_ms: int = Field(default=100, ge=1)
+    """Longest fetch wait of the router's ``inflight`` and ``kv-events``
+    projections on the embedded broker when quiet (a request wakes them):
+    bounds how stale the router's load and cache view is for a request that
+    follows a quiet spell (with the 1 s idle wait, a prompt repeated right
+    after its first answer was routed away from its cache). Defaults to 100."""
+
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
     partition's end (the broker needs time to assemble the records; with a

@@ -53,6 +53,7 @@ import contextlib
 import functools
 import logging
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class RouterApp:
     """Set once the inflight topic's history has been folded into the table."""
     kv_progress: asyncio.Event = field(default_factory=asyncio.Event)
     """Set each time a KV event batch is folded (wakes a decision waiting for one)."""
+    projection_waits: list = field(default_factory=list)
+    """Fetch-wait policies of the inflight and kv-events projections (woken by each request)."""
     orphans: Orphans = field(default_factory=Orphans)
     """Requests this replica routed, until their worker reports them finished
     (answered ``worker_lost`` if the worker expires first)."""
@@ -285,12 +288,14 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     @app.task
     async def project_inflight() -> None:
-        await follow_topic(settings, catalog.inflight, on_inflight_record, state.inflight_caught_up)
+        await follow_topic(settings, catalog.inflight, on_inflight_record, state.inflight_caught_up,
+                           idle_wait_ms=settings.router_state_wait_ms, policies=state.projection_waits)
 
     @app.task
     async def project_kv_events() -> None:
         if uses_events:
-            await follow_topic(settings, catalog.kv_events, on_kv_record, state.kv_caught_up)
+            await follow_topic(settings, catalog.kv_events, on_kv_record, state.kv_caught_up,
+                               idle_wait_ms=settings.router_state_wait_ms, policies=state.projection_waits)
 
     async def request_dump(worker_id: str) -> None:
         ask = KvDumpRequest(worker_id=worker_id, requested_by=router_id, ts_ms=now_ms())
@@ -325,6 +330,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 await dead_letter(event, f"routing failed: {exc!r}")
 
     async def route_one(request: InferenceRequest) -> None:
+        for wait in state.projection_waits:  # traffic: keep the load and cache views fresh
+            wait.wake(time.monotonic())
         if not (state.workers_caught_up.is_set() and state.inflight_caught_up.is_set()):
             # First requests after a (re)start: let the table catch up with the log.
             with contextlib.suppress(asyncio.TimeoutError):

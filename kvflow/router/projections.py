@@ -29,19 +29,27 @@ Handler = Callable[[ConsumerRecord], Awaitable[None]]
 
 
 async def follow_topic(settings: Settings, spec: TopicSpec, handler: Handler,
-                       caught_up: asyncio.Event | None = None, *, hot: bool = True) -> None:
+                       caught_up: asyncio.Event | None = None, *, hot: bool = True,
+                       idle_wait_ms: int | None = None, policies: list | None = None) -> None:
     """Feed every record of ``spec`` (all partitions, from offset 0) to ``handler``.
 
     ``caught_up`` is set after the first fetch that returns nothing, i.e.
     once the history present at start has been folded in. Handler errors are
     logged and skipped (the handler is expected to dead-letter bad records
     itself). ``hot``: new records put the consumer in its fast-polling mode
-    on the embedded broker (False for background topics such as heartbeats).
-    Runs until cancelled.
+    on the embedded broker (False for background topics such as heartbeats);
+    ``idle_wait_ms`` caps its fetch wait when quiet; its
+    :class:`~kvflow.streams.fetch_wait.FetchWaitPolicy` (if any) is appended
+    to ``policies``, so the caller can wake it. Runs until cancelled.
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
-    adapt_fetch_wait(consumer, settings, None if hot else NOT_HOT)
+    policy = adapt_fetch_wait(consumer, settings, None if hot else NOT_HOT)
+    if policy is not None:
+        if idle_wait_ms is not None:
+            policy.idle_ms = min(policy.idle_ms, idle_wait_ms)
+        if policies is not None:
+            policies.append(policy)
     try:
         tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
         consumer.assign(tps)

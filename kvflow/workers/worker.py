@@ -156,6 +156,7 @@ class Worker:
         self.aborted = 0  # requests ended because of a cancel record
         self.malformed_cancels = 0  # cancel records that failed validation (skipped)
         self.skipped_foreign = 0  # queue records routed to a predecessor on this slot (skipped)
+        self._finish_published: set[str] = set()  # finish record sent before the final response
         self._aborted_reported = 0  # self.aborted at the last metrics snapshot
         # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
@@ -366,7 +367,9 @@ class Worker:
             cancelled = self.is_cancelled(request.request_id)
             self.inflight.pop(request.request_id, None)
             self.served += 1
-            await self._publish_finished(request, cancelled)
+            if request.request_id not in self._finish_published:
+                await self._publish_finished(request, cancelled)
+            self._finish_published.discard(request.request_id)
 
     async def _publish_admitted(self, request: InferenceRequest) -> None:
         """Tell the routers this worker holds ``request`` (:class:`RequestAdmitted` on the
@@ -585,6 +588,10 @@ class Worker:
                             finished_ms=now_ms()),
             worker_id=self.config.worker_id, routing=request.routing, kv_transfer=kv_transfer,
         )
+        # Routers learn the worker is free before the client learns the answer: a client
+        # that sends its next request on receipt is routed with this one counted as done.
+        await self._publish_finished(request, self.is_cancelled(request.request_id))
+        self._finish_published.add(request.request_id)
         await self._send(request, final)
 
     # side streams ------------------------------------------------------------
