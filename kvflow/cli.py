@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: up, worker, status, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, status, explain, produce, planner, profile, replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -265,6 +265,39 @@ def status(
         for c in commands:
             typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
                        f"{c.reason.split(';')[0]}")
+
+
+@app.command()
+def explain(
+    request_id: Annotated[str, typer.Argument(help="The request's id (FinalResponse.request_id).")],
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the decision records as JSON.")] = False,
+) -> None:
+    """Show how the router decided a request: the chosen worker and every candidate
+    with its cache overlap, load terms and cost (sorted by cost), the policy and router.
+
+    Reads the whole routing-decisions topic of the deployment. Exits 1 when
+    no decision for REQUEST_ID is recorded there.
+    """
+    from kvflow.streams.catalog import Catalog
+    from kvflow.streams.explain import read_decisions, render_decision
+
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
+    catalog = Catalog(settings.namespace)
+    records = asyncio.run(read_decisions(settings, request_id, catalog))
+    if not records:
+        typer.echo(f"no routing decision recorded for request {request_id!r} on "
+                   f"{catalog.routing_decisions.name} ({settings.bootstrap_servers})", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps([r.model_dump(mode="json", exclude_none=True) for r in records], indent=2))
+        return
+    typer.echo("\n\n".join(render_decision(r) for r in records))
 
 
 @app.command("planner")

@@ -196,7 +196,7 @@ def test_replay_routes_like_up_would_in_the_same_environment(tmp_path):
 
 
 def test_help_shows_full_option_names_in_80_columns():
-    for command in ("up", "replay", "status", "produce", "planner"):
+    for command in ("up", "replay", "status", "explain", "produce", "planner"):
         result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
         assert result.exit_code == 0
         lines = result.output.splitlines()

@@ -238,3 +238,80 @@ def test_weights_come_from_the_settings(monkeypatch):
     cfg = KvPolicyConfig.from_settings(Settings())
     assert (cfg.decode_weight, cfg.temperature, cfg.queue_weight, cfg.overlap_credit) == (2.5, 0.1, 0.5, 1.0)
     assert KvPolicyConfig.from_settings(Settings(kv_queue_weight=0)).queue_weight == 0
+
+
+# --- per-candidate terms (the routing-decisions record) -----------------------------------------------------------
+
+
+def recomputed(cfg: KvPolicyConfig, t) -> float:
+    """A candidate's cost from its published terms, by the documented formula."""
+    return (cfg.prefill_load_scale * (t.prefill_blocks + cfg.queue_weight * t.queued_prefill_blocks)
+            + cfg.decode_weight * t.decode_requests)
+
+
+@pytest.mark.parametrize("policy", ["kv", "approx"])
+def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy):
+    cfg = KvPolicyConfig()
+    index = KvIndex(BS)
+    store(index, "w1", 12)
+    table = table_with(heartbeat("w0", active=1, prefill_tokens=48), heartbeat("w1", active=2, waiting=1),
+                       heartbeat("w2"), index=index if policy == "kv" else None)
+    note_routed(table, "w2")  # a request routed since w2's heartbeat: queued prefill and decode load
+    req = request(isl=330, now_ms=1)
+    d = select_worker(policy, req, table)
+    terms = {t.worker_id: t for t in d.candidates}
+    assert list(terms) == ["w0", "w1", "w2"]  # one per candidate, worker-id order
+    for t in terms.values():
+        assert t.cost == pytest.approx(recomputed(cfg, t))
+    chosen = terms[d.worker_id]
+    assert d.cost == chosen.cost == min(t.cost for t in terms.values())
+    assert d.overlap_blocks == chosen.overlap_blocks
+    # the costs are worker_costs'
+    scores = index.find_matches(HASHES) if policy == "kv" else kv_policy._NO_SCORES
+    assert [t.cost for t in d.candidates] == pytest.approx(
+        kv_policy.worker_costs(req, table.candidates(MODEL, WorkerRole.aggregated), scores, cfg))
+    w0, w1, w2 = terms["w0"], terms["w1"], terms["w2"]
+    assert (w0.prefill_blocks, w0.queued_prefill_blocks, w0.decode_requests) == (21, 48 / BS, 1)
+    assert w2.queued_prefill_blocks == 21 and w2.decode_requests == 1 and w2.load == 1  # sized like this request
+    assert w1.load == 3 and w1.decode_requests == 2
+    if policy == "kv":
+        assert (w1.overlap_blocks, w1.prefill_blocks) == (12, 21 - 12)
+    assert w0.host_overlap_blocks is None and w0.disk_overlap_blocks is None  # no host or disk tier reported
+
+
+def test_candidate_terms_show_host_and_disk_overlap():
+    index = KvIndex(BS)
+    store(index, "w0", 10, KvTier.host)
+    store(index, "w1", 6, KvTier.disk)
+    table = table_with(heartbeat("w0"), heartbeat("w1"), index=index)
+    cfg = KvPolicyConfig()
+    d = select_worker("kv", request(), table)
+    w0, w1 = d.candidates
+    assert (w0.host_overlap_blocks, w0.disk_overlap_blocks, w0.overlap_blocks) == (10, 0, 0)
+    assert (w1.host_overlap_blocks, w1.disk_overlap_blocks) == (0, 6)
+    assert w0.prefill_blocks == pytest.approx(20 - cfg.host_weight * 10) == pytest.approx(w0.cost)
+
+
+def test_simple_policies_list_each_candidates_load():
+    table = table_with(heartbeat("w0", active=2), heartbeat("w1", waiting=1))
+    for name in ("round_robin", "random", "least_loaded"):
+        d = select_worker(name, request(), table)
+        assert [(t.worker_id, t.load) for t in d.candidates] == [("w0", 2), ("w1", 1)]
+        if name == "least_loaded":
+            assert [t.cost for t in d.candidates] == [2.0, 1.0] and d.cost == 1.0
+        else:
+            assert all(t.cost is None for t in d.candidates)
+
+
+def test_candidate_terms_stay_off_the_wire():
+    from kvflow.schemas import InferenceRequest, ReplyTo, RoutingDecision, decode, encode
+
+    table = table_with(heartbeat("w0"), heartbeat("w1"), index=KvIndex(BS))
+    d = select_worker("kv", request(), table)
+    assert d.candidates
+    routed = InferenceRequest(request_id="r1", model=MODEL, token_ids=TOKENS, reply_to=ReplyTo(topic="t", partition=0),
+                              routing=d)
+    wire = encode(routed)
+    assert b"candidates" not in wire and b"queued_prefill" not in wire
+    back = decode(InferenceRequest, wire).routing
+    assert back == RoutingDecision(worker_id=d.worker_id, policy="kv", overlap_blocks=d.overlap_blocks, cost=d.cost)

@@ -25,7 +25,11 @@ Faust agents (consumer group, so each record is handled once per group):
   local or remote prefill (:mod:`~kvflow.router.disagg`), and forwards the
   request with its :class:`~kvflow.schemas.RoutingDecision` to the worker's
   queue partition. With no worker it answers the caller directly with an
-  error :class:`~kvflow.schemas.FinalResponse` (HTTP 503 semantics).
+  error :class:`~kvflow.schemas.FinalResponse` (HTTP 503 semantics). Every
+  decision (routed, queued, shed or rejected) is also published, without
+  waiting for the broker's ack, as a :class:`~kvflow.schemas.DecisionRecord`
+  on the routing-decisions topic, with the candidates the policy weighed
+  and its cost terms (``kvflow explain REQUEST_ID`` reads it).
 - ``track_workers`` dead-letters malformed heartbeats (every replica folds
   the workers topic itself, from its beginning; no changelogged table is
   kept, since nothing read it and each heartbeat cost a changelog write).
@@ -60,7 +64,7 @@ from dataclasses import dataclass, field
 
 import faust
 
-from kvflow.router.disagg import DisaggConfig, decode_role, route_and_forward
+from kvflow.router.disagg import DisaggConfig, Placement, decode_role, route_and_forward
 from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
@@ -73,6 +77,8 @@ from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     CancelRequest,
     DeadLetter,
+    DecisionOutcome,
+    DecisionRecord,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -118,7 +124,8 @@ class RouterApp:
     policy: str
     counters: dict[str, int] = field(default_factory=lambda: {
         "routed": 0, "rejected": 0, "dead_lettered": 0, "shed": 0, "queued": 0, "kv_batches": 0, "kv_gaps": 0,
-        "inflight_records": 0, "kv_waits": 0, "kv_wait_timeouts": 0, "worker_lost": 0})
+        "inflight_records": 0, "kv_waits": 0, "kv_wait_timeouts": 0, "worker_lost": 0, "decisions": 0,
+        "decisions_lost": 0})
     queue: BoundedRequestQueue | None = None
     """Requests held while every worker is busy (``shed_mode="queue"``)."""
     workers_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
@@ -346,17 +353,22 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         decision = shed(candidates, shed_config, queued=len(state.queue) if state.queue is not None else 0)
         if decision.action == "reject" and candidates:
             state.counters["shed"] += 1
-            await reply_error(request, f"all workers are busy ({decision.reason})", status=503, code="overloaded",
-                              retry_after_s=decision.retry_after_s)
+            reason = f"all workers are busy ({decision.reason})"
+            await reply_error(request, reason, status=503, code="overloaded", retry_after_s=decision.retry_after_s)
+            await publish_decision(request, DecisionOutcome.shed, role, now, reason=reason)
             return
         if decision.action == "queue":
             try:
                 state.queue.push(request, isl=len(request.token_ids or ()), deadline_ms=request.deadline_ms)
                 state.counters["queued"] += 1
+                await publish_decision(request, DecisionOutcome.queued, role, now,
+                                       reason=f"all workers are busy ({decision.reason})")
             except QueueFull:
                 state.counters["shed"] += 1
-                await reply_error(request, "all workers are busy and the router queue is full", status=503,
-                                  code="overloaded", retry_after_s=decision.retry_after_s or 1)
+                reason = "all workers are busy and the router queue is full"
+                await reply_error(request, reason, status=503, code="overloaded",
+                                  retry_after_s=decision.retry_after_s or 1)
+                await publish_decision(request, DecisionOutcome.shed, role, now, reason=reason)
             return
         await dispatch(request, role, candidates, decision.candidates, now)
 
@@ -405,10 +417,45 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         except NoWorkerAvailable as exc:
             state.counters["rejected"] += 1
             await reply_error(request, str(exc), status=503, code="no_workers")
+            await publish_decision(request, DecisionOutcome.rejected, role, now, reason=str(exc))
             return
         finally:
             state.table.busy = frozenset()
         state.counters["routed"] += 1
+        await publish_decision(request, DecisionOutcome.routed, role, now, placement=placement)
+
+    def decision_lost(ack: asyncio.Future) -> None:
+        if not ack.cancelled() and ack.exception() is not None:
+            state.counters["decisions_lost"] += 1
+            log.warning("routing decision record not delivered: %r", ack.exception())
+
+    async def publish_decision(request: InferenceRequest, outcome: DecisionOutcome, role: WorkerRole, now: int, *,
+                               placement: Placement | None = None, reason: str | None = None) -> None:
+        # Built from what the policy computed; sent without waiting for the ack. A record that
+        # cannot be built or sent is counted and logged, never retried, and never fails the
+        # request: the decision it describes has been carried out already.
+        decision = placement.decision if placement is not None else None
+        plan = placement.plan if placement is not None else None
+        prefill = plan.prefill if plan is not None else None
+        try:
+            record = DecisionRecord(
+                request_id=request.request_id, model=request.model, outcome=outcome, policy=state.policy,
+                router_id=router_id, decided_ms=now, isl=len(request.token_ids or ()), role=role, reason=reason,
+                worker_id=decision.worker_id if decision is not None else None,
+                prefill_worker_id=decision.prefill_worker_id if decision is not None else None,
+                prefill_reason=plan.reason if plan is not None and plan.reason != "no_prefill_workers" else None,
+                candidates=list(decision.candidates) if decision is not None else [],
+                prefill_candidates=list(prefill.candidates) if prefill is not None else [],
+            )
+            ack = await app.producer.send(catalog.routing_decisions.name, request.request_id.encode(),
+                                          encode(record), None, None, None)
+        except Exception:  # noqa: BLE001 - the audit record must not fail a routed request
+            state.counters["decisions_lost"] += 1
+            log.exception("routing decision record of %s not sent", request.request_id)
+            return
+        state.counters["decisions"] += 1
+        if isinstance(ack, asyncio.Future):
+            ack.add_done_callback(decision_lost)
 
     async def release_queued(now: int) -> None:
         queue = state.queue

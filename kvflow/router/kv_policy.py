@@ -71,6 +71,10 @@ using :func:`~kvflow.router.policies.request_rng` (same draw on every
 replica). With an empty index (cold start) all overlaps are 0 and the
 policy is least-loaded by cost.
 
+Each decision carries every candidate's terms and cost
+(:func:`worker_terms`, in ``RoutingDecision.candidates``), which the router
+publishes on the routing-decisions topic (``kvflow explain``).
+
 Policies never read the clock: ``approx`` takes the decision time from
 ``RouteRequest.now_ms`` (epoch or simulated ms; 0 when the field is absent,
 which disables expiry but not the capacity bound).
@@ -86,7 +90,7 @@ from dataclasses import dataclass, field
 from kvflow.router.index import KvIndex, OverlapScores
 from kvflow.router.policies import Policy, RouteRequest, register_policy, request_rng
 from kvflow.router.table import RoutingTable, WorkerView
-from kvflow.schemas import RoutingDecision
+from kvflow.schemas import CandidateCost, RoutingDecision
 
 __all__ = [
     "DEFAULT_KV_CONFIG",
@@ -97,6 +101,7 @@ __all__ = [
     "make_approx_policy",
     "make_kv_policy",
     "worker_costs",
+    "worker_terms",
 ]
 
 EVENT_POLICIES = frozenset({"kv"})
@@ -173,31 +178,56 @@ DEFAULT_KV_CONFIG = KvPolicyConfig()
 _NO_SCORES = OverlapScores({})
 
 
-def worker_costs(req: RouteRequest, candidates: Sequence[WorkerView], scores: OverlapScores,
-                 cfg: KvPolicyConfig) -> list[float]:
-    """Cost of each candidate for ``req`` (same order; lower is better; units: KV blocks).
+def worker_terms(req: RouteRequest, candidates: Sequence[WorkerView], scores: OverlapScores,
+                 cfg: KvPolicyConfig) -> list[CandidateCost]:
+    """The cost of each candidate for ``req`` with its terms (same order; see the module docstring).
 
-    ``scores`` gives each worker's cached prompt prefix by tier.
+    ``scores`` gives each worker's cached prompt prefix by tier. Each
+    :class:`~kvflow.schemas.CandidateCost` holds the device overlap
+    (blocks), the host and disk overlaps (blocks; None when ``scores`` has
+    no host or disk tier), ``prefill_blocks`` (the request's prefill after
+    the cache credit, ≥ 0), ``queued_prefill_blocks``, ``decode_requests``
+    and ``cost`` (KV blocks; lower is better), such that
+    ``cost = prefill_load_scale · (prefill_blocks + queue_weight · queued_prefill_blocks)
+    + decode_weight · decode_requests``.
     """
     dev, host, disk = scores.device, scores.host, scores.disk
     credit, wh, wd = cfg.overlap_credit, cfg.host_weight, cfg.disk_weight
     scale, wq, wdec = cfg.prefill_load_scale, cfg.queue_weight, cfg.decode_weight
     tiers = bool(host or disk)
-    costs = []
+    terms = []
     for w in candidates:
         bs = w.block_size
         prefill = -(-req.isl // bs)
         wid = w.worker_id
-        adjusted = prefill - credit * dev.get(wid, 0)
+        overlap = dev.get(wid, 0)
+        adjusted = prefill - credit * overlap
         if tiers:
-            adjusted -= wh * host.get(wid, 0) + wd * disk.get(wid, 0)
+            on_host, on_disk = host.get(wid, 0), disk.get(wid, 0)
+            adjusted -= wh * on_host + wd * on_disk
+        else:
+            on_host = on_disk = None
         if adjusted < 0:
             adjusted = 0.0
         routed = w.routed_since_heartbeat
         routed_prefill = w.routed_prefill_tokens
         queued = w.active_prefill_tokens / bs + (routed * prefill if routed_prefill is None else routed_prefill / bs)
-        costs.append(scale * (adjusted + wq * queued) + wdec * (w.active_requests + routed))
-    return costs
+        decoding = w.active_requests + routed
+        terms.append(CandidateCost(
+            worker_id=wid, overlap_blocks=overlap, host_overlap_blocks=on_host, disk_overlap_blocks=on_disk,
+            prefill_blocks=adjusted, queued_prefill_blocks=queued, decode_requests=decoding,
+            load=w.load, cost=scale * (adjusted + wq * queued) + wdec * decoding))
+    return terms
+
+
+def worker_costs(req: RouteRequest, candidates: Sequence[WorkerView], scores: OverlapScores,
+                 cfg: KvPolicyConfig) -> list[float]:
+    """Cost of each candidate for ``req`` (same order; lower is better; units: KV blocks).
+
+    ``scores`` gives each worker's cached prompt prefix by tier. The costs
+    of :func:`worker_terms`, without their terms.
+    """
+    return [t.cost for t in worker_terms(req, candidates, scores, cfg)]
 
 
 def choose(request_id: str, costs: Sequence[float], temperature: float) -> int:
@@ -227,11 +257,11 @@ def choose(request_id: str, costs: Sequence[float], temperature: float) -> int:
 
 def _decide(name: str, req: RouteRequest, candidates: list[WorkerView], scores: OverlapScores,
             cfg: KvPolicyConfig) -> RoutingDecision:
-    costs = worker_costs(req, candidates, scores, cfg)
-    i = choose(req.request_id, costs, cfg.temperature)
-    worker = candidates[i]
-    return RoutingDecision(worker_id=worker.worker_id, policy=name,
-                           overlap_blocks=scores.device.get(worker.worker_id, 0), cost=float(costs[i]))
+    terms = worker_terms(req, candidates, scores, cfg)
+    i = choose(req.request_id, [t.cost for t in terms], cfg.temperature)
+    chosen = terms[i]
+    return RoutingDecision(worker_id=chosen.worker_id, policy=name, overlap_blocks=chosen.overlap_blocks,
+                           cost=float(chosen.cost), candidates=tuple(terms))
 
 
 def make_kv_policy(cfg: KvPolicyConfig = DEFAULT_KV_CONFIG, name: str = "kv") -> Policy:

@@ -6,6 +6,12 @@ workers of the request's model and pool, sorted by id) and the
 :class:`~kvflow.schemas.RoutingDecision`. Policies never do I/O and never read
 the clock; any randomness is seeded from the request id, so every router
 replica and the offline simulator decide identically for the same inputs.
+
+A decision lists every candidate the policy weighed with the terms it used
+(``RoutingDecision.candidates``, :class:`~kvflow.schemas.CandidateCost`),
+for the router's routing-decisions record: the KV-aware policies give
+their cost terms (:func:`kvflow.router.kv_policy.worker_terms`), the
+others each worker's in-flight load (and ``least_loaded`` its cost).
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from dataclasses import dataclass
 import xxhash
 
 from kvflow.router.table import RoutingTable, WorkerView
-from kvflow.schemas import RoutingDecision, WorkerRole
+from kvflow.schemas import CandidateCost, RoutingDecision, WorkerRole
 
-__all__ = ["RouteRequest", "Policy", "POLICIES", "register_policy", "select_worker", "NoWorkerAvailable"]
+__all__ = ["RouteRequest", "Policy", "POLICIES", "register_policy", "select_worker", "NoWorkerAvailable",
+           "load_terms"]
 
 
 class NoWorkerAvailable(LookupError):
@@ -62,6 +69,13 @@ def request_rng(request_id: str) -> _random.Random:
     return _random.Random(xxhash.xxh3_64_intdigest(request_id.encode()))
 
 
+def load_terms(candidates: list[WorkerView], *, scored: bool = False) -> tuple[CandidateCost, ...]:
+    """Each candidate's in-flight load (:attr:`WorkerView.load`, requests), same order;
+    ``scored``: the load is also the cost (``least_loaded``), else the cost is None."""
+    return tuple(CandidateCost(worker_id=w.worker_id, load=w.load, cost=float(w.load) if scored else None)
+                 for w in candidates)
+
+
 @register_policy("round_robin")
 def round_robin(req: RouteRequest, candidates: list[WorkerView], table: RoutingTable) -> RoutingDecision:
     """Cycle through candidates in worker-id order; the cursor lives in the table."""
@@ -69,21 +83,22 @@ def round_robin(req: RouteRequest, candidates: list[WorkerView], table: RoutingT
     cursor = table.rr_cursor.get(key, 0)
     worker = candidates[cursor % len(candidates)]
     table.rr_cursor[key] = cursor + 1
-    return RoutingDecision(worker_id=worker.worker_id, policy="round_robin")
+    return RoutingDecision(worker_id=worker.worker_id, policy="round_robin", candidates=load_terms(candidates))
 
 
 @register_policy("random")
 def random_policy(req: RouteRequest, candidates: list[WorkerView], table: RoutingTable) -> RoutingDecision:
     """Uniform choice, seeded by the request id."""
     worker = request_rng(req.request_id).choice(candidates)
-    return RoutingDecision(worker_id=worker.worker_id, policy="random")
+    return RoutingDecision(worker_id=worker.worker_id, policy="random", candidates=load_terms(candidates))
 
 
 @register_policy("least_loaded")
 def least_loaded(req: RouteRequest, candidates: list[WorkerView], table: RoutingTable) -> RoutingDecision:
     """Fewest in-flight requests (:attr:`WorkerView.load`); ties go to the lowest id."""
     worker = min(candidates, key=lambda w: (w.load, w.worker_id))
-    return RoutingDecision(worker_id=worker.worker_id, policy="least_loaded", cost=float(worker.load))
+    return RoutingDecision(worker_id=worker.worker_id, policy="least_loaded", cost=float(worker.load),
+                           candidates=load_terms(candidates, scored=True))
 
 
 def select_worker(policy: str, req: RouteRequest, table: RoutingTable) -> RoutingDecision:

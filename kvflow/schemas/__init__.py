@@ -10,6 +10,7 @@ no pydantic object per event).
 from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
 from kvflow.schemas.control import CancelReason, CancelRequest
 from kvflow.schemas.dead_letter import DeadLetter
+from kvflow.schemas.decisions import CandidateCost, DecisionOutcome, DecisionRecord
 from kvflow.schemas.inflight import InflightRecord, RequestAdmitted, RequestFinished
 from kvflow.schemas.kv_events import (
     KV_WIRE_VERSION,
@@ -46,8 +47,8 @@ from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "ChatMessage",
-    "DeadLetter", "ErrorInfo",
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
+    "ChatMessage", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",

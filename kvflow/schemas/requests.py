@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow.schemas.base import Record
+from kvflow.schemas.decisions import CandidateCost
 
 __all__ = [
     "MAX_TOKENS_LIMIT",
@@ -70,6 +71,12 @@ class RoutingDecision(BaseModel):
     ``overlap_blocks`` is the number of prompt blocks the chosen worker
     already held (0 for policies that do not look at the KV index);
     ``cost`` is the policy's score of the chosen worker (lower is better).
+
+    ``candidates`` holds the policy's terms for every worker it weighed
+    (:class:`~kvflow.schemas.decisions.CandidateCost`, worker-id order), for
+    the router's record on the routing-decisions topic. It is never
+    serialized: a request or response echoing the decision does not carry
+    it, and a decoded decision has none.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -80,6 +87,7 @@ class RoutingDecision(BaseModel):
     router_id: str = ""
     decided_ms: int = 0
     prefill_worker_id: str | None = None
+    candidates: tuple[CandidateCost, ...] = Field(default=(), exclude=True)
 
 
 class RequestKind(str, Enum):

@@ -16,6 +16,7 @@ from typing import Any
 from kvflow.schemas import (
     CancelRequest,
     DeadLetter,
+    DecisionRecord,
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
@@ -100,6 +101,15 @@ class Catalog:
                 retention_ms=3600 * 1000, producers=("worker",), consumers=("router",),
                 description="requests taken and ended by workers: the router's exact in-flight load",
             ),
+            # One record per routing decision (candidates, cost terms, outcome),
+            # keyed by request id: every record of a request is in one partition,
+            # in order. Nothing in the pipeline consumes it; `kvflow explain`
+            # reads it whole. Kept as long as the requests they explain.
+            "routing_decisions": spec(
+                "routing-decisions", partitions=8, key="request_id", value_schema=DecisionRecord,
+                retention_ms=24 * 3600 * 1000, producers=("router",), consumers=("cli",),
+                description="the router's decision for each request: candidates, cost terms, outcome",
+            ),
             "kv_dump_requests": spec(
                 "kv-dump-requests", partitions=1, key="worker_id", value_schema=KvDumpRequest,
                 producers=("router",), consumers=("worker",),
@@ -167,6 +177,11 @@ class Catalog:
     def inflight(self) -> TopicSpec:
         """Requests taken and ended by workers."""
         return self.topics["inflight"]
+
+    @property
+    def routing_decisions(self) -> TopicSpec:
+        """Routing decisions, one record per decision."""
+        return self.topics["routing_decisions"]
 
     @property
     def kv_dump_requests(self) -> TopicSpec:
