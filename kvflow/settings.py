@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     at ~100k tokens). On a real cluster, topics kvflow creates get this as
     ``max.message.bytes``. Defaults to 16 MiB."""
 
+    bridge_max_inflight_requests: int = Field(default=1024, ge=1)
+    """Requests one bridge serves at once; above it new ones are answered 503
+    with ``Retry-After`` before their body is read, which bounds the bridge's
+    memory under overload. Defaults to 1024."""
+
     max_migrations: int = Field(default=3, ge=0)
     """How often a client (the bridge included) resubmits a request whose worker
     was lost mid-request, with the output delivered so far appended, before

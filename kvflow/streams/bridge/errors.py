@@ -101,6 +101,13 @@ def no_live_workers(model: str, retry_after_s: float) -> BridgeError:
                        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
+def overloaded(retry_after_s: float) -> BridgeError:
+    """503 with ``Retry-After``: the bridge serves as many requests as it may."""
+    return BridgeError(503, "The server is serving as many requests as it can; retry later.",
+                       "service_unavailable", code="overloaded",
+                       headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
 def request_timeout(request_id: str, timeout_s: float) -> BridgeError:
     """504: no response record for ``request_id`` within ``timeout_s`` seconds."""
     return BridgeError(504, f"No response for request {request_id} within {timeout_s:g} s.",

@@ -167,6 +167,8 @@ class RequestObserver:
     last_token_s: float | None = None
     final: FinalResponse | None = None
     finished: bool = field(default=False)
+    on_finish: Callable[[], None] | None = None
+    """Called once when the request finishes (the bridge's in-flight count)."""
 
     def __post_init__(self) -> None:
         if self.started_s < 0:
@@ -205,6 +207,8 @@ class RequestObserver:
         if self.finished:
             return
         self.finished = True
+        if self.on_finish is not None:
+            self.on_finish()
         now = self.clock()
         self.metrics.in_flight.labels(self.endpoint).dec()
         self.metrics.requests.labels(self.endpoint, str(status)).inc()

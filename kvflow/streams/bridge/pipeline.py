@@ -21,6 +21,7 @@ aborts the request and frees its KV blocks
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from kvflow.streams.bridge.errors import (
     invalid_request,
     model_not_found,
     no_live_workers,
+    overloaded,
     payload_too_large,
     request_timeout,
 )
@@ -56,7 +58,7 @@ from kvflow.streams.bridge.openai_format import (
     to_inference_request,
 )
 from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse
-from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
 from kvflow.streams.bridge.worker_registry import ModelState
 from kvflow.streams.client import RequestTimeout
@@ -263,7 +265,12 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
     Never raises for client mistakes; unexpected exceptions propagate to the
     app's last-resort handler (500).
     """
-    observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics)
+    if not admit(state):
+        observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics)
+        observer.finish(503)
+        return error_response(overloaded(1.0))
+    observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics,
+                               on_finish=functools.partial(release, state))
     events: Events | None = None
     request_id = ""
     try:

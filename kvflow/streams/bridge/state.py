@@ -22,7 +22,7 @@ from kvflow.streams.bridge.metrics import BridgeMetrics
 from kvflow.streams.bridge.tokenizers import TokenizerCache
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
 
-__all__ = ["ResponseSource", "BridgeState", "get_state", "default_max_body_bytes"]
+__all__ = ["ResponseSource", "BridgeState", "get_state", "default_max_body_bytes", "admit", "release"]
 
 
 class ResponseSource(Protocol):
@@ -78,6 +78,9 @@ class BridgeState:
     cancel: Callable[[str, CancelReason], Awaitable[None]] | None = None
     max_body_bytes: int = 0
     retry_after_s: float = 0.0
+    max_inflight: int = 0
+    """Requests served at once before new ones get 503 (0: ``settings.bridge_max_inflight_requests``)."""
+    inflight: int = 0
     api_keys: frozenset[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,9 +89,25 @@ class BridgeState:
         if self.max_body_bytes <= 0:
             self.max_body_bytes = (self.settings.max_request_bytes
                                    or default_max_body_bytes(self.settings.max_prompt_tokens))
+        if self.max_inflight <= 0:
+            self.max_inflight = self.settings.bridge_max_inflight_requests
         if self.retry_after_s <= 0:
             self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
         self.metrics.track_workers(self.registry)
+
+
+def admit(state: BridgeState) -> bool:
+    """Count one more request in flight; False (nothing counted) when
+    ``state.max_inflight`` are already."""
+    if state.inflight >= state.max_inflight:
+        return False
+    state.inflight += 1
+    return True
+
+
+def release(state: BridgeState) -> None:
+    """One request of :func:`admit` finished."""
+    state.inflight = max(0, state.inflight - 1)
 
 
 def get_state(request: Request) -> BridgeState:

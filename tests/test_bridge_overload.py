@@ -1,0 +1,43 @@
+"""Overload: past ``bridge_max_inflight_requests`` the bridge answers 503 with
+Retry-After before reading the body; every admitted request completes and the
+count returns to zero (through a real uvicorn server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import uvicorn
+
+from kvflow.streams.bridge.app import build_app_for_state
+from kvflow.streams.broker import free_port
+from test_bridge_unit import ScriptedSource, chat_body, make_state
+
+
+async def test_requests_past_the_inflight_bound_get_503_and_admitted_ones_complete():
+    reply = "y" * 40
+    source = ScriptedSource(reply, delay_s=0.02)
+    state = make_state(source, bridge_max_inflight_requests=4)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app_for_state(state), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            answers = await asyncio.gather(*(http.post("/v1/chat/completions", json=chat_body(max_tokens=64))
+                                             for _ in range(16)))
+            ok = [a for a in answers if a.status_code == 200]
+            shed = [a for a in answers if a.status_code == 503]
+            assert len(ok) + len(shed) == 16 and shed and len(ok) >= 4
+            for a in shed:
+                assert a.headers["Retry-After"] == "1" and a.json()["error"]["code"] == "overloaded"
+            assert all(a.json()["choices"][0]["message"]["content"] == reply for a in ok)
+            assert len(source.requests) == len(ok)  # rejected ones never reached the pipeline
+            assert state.inflight == 0
+            again = await http.post("/v1/chat/completions", json=chat_body(max_tokens=64))
+            assert again.status_code == 200 and state.inflight == 0
+    finally:
+        server.should_exit = True
+        await task
