@@ -16,7 +16,7 @@ request, in arrival order:
 
 Each Mooncake ``hash_id`` (512 tokens) gives ``512 / block_size`` blocks whose
 local hashes are XXH3-64 of ``(hash_id, j)``; sequence hashes are chained as
-in :mod:`kvflow.router.hashing`. Dynamo's tree is keyed by local hashes and
+in :mod:`kvflow.schemas.block_hash`. Dynamo's tree is keyed by local hashes and
 its events carry both (``block_hash`` = sequence, ``tokens_hash`` = local).
 
 Both indexes run the same operations in the same order, one event per call,
@@ -114,7 +114,7 @@ def build_workload(trace: Path, workers: int, capacity: int, block_size: int, li
     """
     import xxhash
 
-    from kvflow.router.hashing import XXH3_SEED, chain_sequence_hashes
+    from kvflow.schemas.block_hash import XXH3_SEED, chain_sequence_hashes
 
     if 512 % block_size:
         raise SystemExit(f"--block-size must divide 512, got {block_size}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import AllBlocksCleared, BlockRemoved, BlockStored
 from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import BlockRemoved, BlockStored, ChatMessage, FinishReason, SamplingParams
 from kvflow.workers.engines.base import EngineConfig, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.hf import HfEngine

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import BlockStored, FinishReason, KvTier, SamplingParams
 from kvflow.workers.engines import make_engine
 from kvflow.workers.engines.base import EngineError, GenerateRequest

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvflow.router.hashing import (
+from kvflow.schemas.block_hash import (
     XXH3_SEED,
     BlockSizeMismatch,
     block_seed,

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import (
     FINISHED_REMEMBERED,

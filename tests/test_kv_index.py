@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
+from kvflow.schemas.block_hash import BlockSizeMismatch, compute_block_hashes
 from kvflow.router import _blockmap_py
 from kvflow.router import index as index_mod
 from kvflow.router.index import KvIndex

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from kvflow.router import kv_policy
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.kv_policy import (
     ApproxKvIndex,

@@ -7,7 +7,7 @@ import httpx
 from aiokafka import TopicPartition
 
 from kvflow.router.app import build_router_app
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.router.inflight import kv_lagging
 from kvflow.schemas import (
     BlockRemoved,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import BlockStored, FinishReason, SamplingParams
 from kvflow.workers.engines.base import EngineConfig, EngineError, GenerateRequest
 from kvflow.workers.engines.mocker import MockerEngine

@@ -10,7 +10,7 @@ import pytest
 
 from kvflow.replay.synth import PrefixHasher, hash_id_tokens, unique_tokens, word_hash_tokenize
 from kvflow.replay.traces import TraceFormatError, detect_format, read_trace
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import InferenceRequest, ReplyTo, SamplingParams
 
 TRACES = Path(__file__).resolve().parent.parent / "examples" / "traces"

@@ -20,7 +20,7 @@ from kvflow.replay.plots import latency_samples, write_plots
 from kvflow.replay.report import build_report
 from kvflow.replay.simulator import SimConfig, Simulation, simulate
 from kvflow.replay.traces import TraceRequest, read_trace
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.router import policies
 from kvflow.router.policies import request_rng
 from kvflow.schemas import BlockStored

@@ -31,7 +31,7 @@ import importlib.util
 
 import pytest
 
-from kvflow.router.hashing import compute_block_hashes
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.schemas import (
     AllBlocksCleared,

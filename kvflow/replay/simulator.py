@@ -89,7 +89,6 @@ from kvflow.replay.report import RequestRecord, TimelineSample
 from kvflow.replay.synth import PrefixHasher
 from kvflow.replay.traces import Trace, TraceRequest
 from kvflow.router.disagg import DisaggConfig, place
-from kvflow.router.hashing import compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
@@ -105,6 +104,7 @@ from kvflow.schemas import (
     WorkerRole,
     WorkerStatus,
 )
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvflow.router.hashing import chain_sequence_hashes, compute_local_block_hashes
+from kvflow.schemas.block_hash import chain_sequence_hashes, compute_local_block_hashes
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
@@ -177,7 +177,7 @@ class PrefixHasher:
     Local block hashes depend only on a block's own tokens, and the router's
     ``block_size`` divides 512, so the local hashes of each hash id's block are
     computed once and cached; a prompt's sequence hashes are then the chain
-    (:func:`~kvflow.router.hashing.chain_sequence_hashes`) of the
+    (:func:`~kvflow.schemas.block_hash.chain_sequence_hashes`) of the
     concatenated locals. Results equal
     ``compute_block_hashes(hash_id_tokens(...), block_size)``.
 

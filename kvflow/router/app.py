@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import faust
 
 from kvflow.router.disagg import DisaggConfig, Placement, decode_role, route_and_forward
-from kvflow.router.hashing import BlockSizeMismatch, compute_block_hashes
+from kvflow.schemas.block_hash import BlockSizeMismatch, compute_block_hashes
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig

@@ -6,7 +6,7 @@ blocks each worker already holds (:meth:`KvIndex.find_matches`).
 
 Design — one block map per tier, hash -> bitmask of the workers holding it:
 
-* Block hashes are *sequence* hashes (:mod:`kvflow.router.hashing`): hash
+* Block hashes are *sequence* hashes (:mod:`kvflow.schemas.block_hash`): hash
   ``i`` already names blocks ``0..i`` together, so a tree adds nothing to
   prefix identity; a flat map from block hash to the set of workers holding
   it answers the same questions as a radix tree, without per-node objects.
@@ -70,7 +70,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kvflow.router.hashing import BlockSizeMismatch
 from kvflow.schemas import (
     AllBlocksCleared,
     BlockRemoved,
@@ -80,6 +79,7 @@ from kvflow.schemas import (
     KvTier,
     KvWireBatch,
 )
+from kvflow.schemas.block_hash import BlockSizeMismatch
 from kvflow.schemas.kv_events import KvWireRemoved, KvWireStored
 
 try:
@@ -373,7 +373,7 @@ class KvIndex:
 
         Args:
             block_hashes: the prompt's chained sequence hashes, block 0 first
-                (:func:`kvflow.router.hashing.compute_block_hashes` at this
+                (:func:`kvflow.schemas.block_hash.compute_block_hashes` at this
                 index's block size); a list or tuple is used as is.
 
         Returns:

@@ -3,7 +3,7 @@
 A worker publishes one :class:`KvEventBatch` per engine step that changed its
 cache, keyed by worker id, with a per-worker monotonic ``event_id`` so that a
 consumer can detect duplicates (id <= last seen) and gaps (id > last + 1).
-Block hashes are the chained sequence hashes of :mod:`kvflow.router.hashing`.
+Block hashes are the chained sequence hashes of :mod:`kvflow.schemas.block_hash`.
 
 Wire format (schema version 2, binary). Unlike the other topics a batch is
 not JSON: it is mostly u64 block hashes, and parsing them as 20-digit decimal
@@ -55,7 +55,7 @@ class KvTier(str, Enum):
 
 
 BlockHash = Annotated[int, Field(ge=0, lt=2**64)]
-"""A chained sequence block hash: XXH3-64, so an unsigned 64-bit int (:mod:`kvflow.router.hashing`)."""
+"""A chained sequence block hash: XXH3-64, so an unsigned 64-bit int (:mod:`kvflow.schemas.block_hash`)."""
 
 
 class BlockStored(BaseModel):

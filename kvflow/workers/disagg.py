@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvflow.schemas import InferenceRequest, now_ms
 from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, TransferDescriptor, parse_stage
 from kvflow.workers.engines.base import EngineOutput, GenerateRequest
+from kvflow.workers.engines.capabilities import DecodesFromKv, PrefillsAlone
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 from kvflow.workers.kv.transfer import TransferError
 
@@ -90,7 +91,7 @@ async def serve_prefill(worker: Worker, request: InferenceRequest, stage: Prefil
     prompt_ids = worker.prompt_ids(request)
     engine = worker.engine
     key = request.request_id.encode()
-    if not callable(getattr(engine, "prefill", None)):
+    if not isinstance(engine, PrefillsAlone):
         log.warning("engine %s cannot prefill alone; %s goes to its decode worker whole", engine.name,
                     request.request_id)
         plain = request.model_copy(update={"disaggregated_params": None, "token_ids": prompt_ids})
@@ -166,7 +167,7 @@ async def serve_decode(worker: Worker, request: InferenceRequest, stage: DecodeS
     started = now_ms()
     try:
         try:
-            if desc is None or not callable(getattr(engine, "generate_from_kv", None)):
+            if desc is None or not isinstance(engine, DecodesFromKv):
                 raise TransferError("no usable KV handoff for this engine")
             outputs = engine.generate_from_kv(gen, handoff)
             first = await outputs.__anext__()

@@ -12,7 +12,7 @@ import uuid
 
 from kvflow.schemas import WorkerRole
 from kvflow.settings import Settings
-from kvflow.workers.engines import make_engine
+from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
@@ -29,8 +29,10 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
     Raises:
-        ValueError: unknown engine.
+        ValueError: unknown engine (not in :data:`~kvflow.workers.engines.ENGINES`).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "mocker":
         from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -57,7 +59,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
     if engine == "vllm":
         return make_engine("vllm", model=model), model, model
-    raise ValueError(f"unknown engine {engine!r}")
+    raise ValueError(f"engine {engine!r} is registered but has no worker options here")
 
 
 async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,

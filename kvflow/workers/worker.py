@@ -79,6 +79,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import NOT_HOT, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers import disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
+from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.stops import StopChecker
 
@@ -183,7 +184,7 @@ class Worker:
         await self.control.start()
         adapt_fetch_wait(self.control, self.settings, NOT_HOT)
         await self._position_control()
-        if self.config.role is not WorkerRole.aggregated and hasattr(type(self.engine), "kv_layout"):
+        if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
         self._tasks = [
@@ -478,7 +479,7 @@ class Worker:
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer wrapper (see :mod:`kvflow.workers.tokenizer`)."""
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer if isinstance(self.engine, HasTokenizer) else None
         if tok is None:
             from kvflow.workers.tokenizer import load_tokenizer
 
@@ -700,11 +701,10 @@ class Worker:
             await self._publish_dump()
 
     async def _publish_dump(self) -> None:
-        dump_fn = getattr(self.engine, "dump_kv_events", None)
-        if dump_fn is None:
+        if not isinstance(self.engine, DumpsKvEvents):
             return
         await self._flush_kv_events()
-        await self._flush_kv_events(dump=True, events=list(dump_fn()))
+        await self._flush_kv_events(dump=True, events=list(self.engine.dump_kv_events()))
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly status dict (for logs and tests)."""

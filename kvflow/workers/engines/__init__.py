@@ -1,14 +1,57 @@
-"""Inference engines behind one interface (:mod:`kvflow.workers.engines.base`)."""
+"""Inference engines behind one interface (:mod:`kvflow.workers.engines.base`).
+
+:data:`ENGINES` is the one registry of engine names; optional abilities are
+the protocols of :mod:`kvflow.workers.engines.capabilities`.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from kvflow.workers.engines.base import Engine, EngineError
+from kvflow.workers.engines.capabilities import (
+    DecodesFromKv,
+    DumpsKvEvents,
+    ExposesKvLayout,
+    HasTokenizer,
+    PrefillsAlone,
+)
 
-__all__ = ["ENGINES", "make_engine", "Engine", "EngineError"]
+__all__ = [
+    "ENGINES",
+    "engine_class",
+    "make_engine",
+    "Engine",
+    "EngineError",
+    "DecodesFromKv",
+    "DumpsKvEvents",
+    "ExposesKvLayout",
+    "HasTokenizer",
+    "PrefillsAlone",
+]
 
-ENGINES = ("mocker", "hf", "vllm")
+ENGINES: dict[str, str] = {
+    "mocker": "kvflow.workers.engines.mocker:MockerEngine",
+    "hf": "kvflow.workers.engines.hf:HfEngine",
+    "vllm": "kvflow.workers.engines.vllm:VllmEngine",
+}
+"""Engine name -> ``module:Class``; modules are imported on use, so torch loads only for ``hf``."""
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine class registered as ``name`` in :data:`ENGINES` (imported now).
+
+    Raises:
+        ValueError: unknown engine name.
+        ImportError: the engine's packages are not installed (e.g. vllm).
+    """
+    try:
+        target = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}") from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def make_engine(name: str, **kwargs: Any) -> Engine:
@@ -18,16 +61,4 @@ def make_engine(name: str, **kwargs: Any) -> Engine:
         ValueError: unknown engine name.
         ImportError: the engine's packages are not installed (e.g. vllm).
     """
-    if name == "mocker":
-        from kvflow.workers.engines.mocker import MockerEngine
-
-        return MockerEngine(**kwargs)
-    if name == "hf":
-        from kvflow.workers.engines.hf import HfEngine
-
-        return HfEngine(**kwargs)
-    if name == "vllm":
-        from kvflow.workers.engines.vllm import VllmEngine
-
-        return VllmEngine(**kwargs)
-    raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    return engine_class(name)(**kwargs)

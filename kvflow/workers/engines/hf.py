@@ -21,7 +21,7 @@ re-padded only when a request joins or leaves.
 
 Prefix cache: the KV of every full ``block_size``-token block of a sequence
 (prompt and generated tokens) is copied into a bounded LRU keyed by the
-block's chained sequence hash (:func:`kvflow.router.hashing.compute_block_hashes`).
+block's chained sequence hash (:func:`kvflow.schemas.block_hash.compute_block_hashes`).
 A new request whose prompt starts with cached blocks skips their prefill and
 reports the reused token count as ``num_cached_tokens`` on its first output.
 Stores and evictions are reported as :class:`~kvflow.schemas.BlockStored` /
@@ -69,8 +69,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvflow.router.hashing import compute_block_hashes
 from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
+from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
 from kvflow.workers.kv.transfer import TransferError

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvflow.router.hashing import block_seed, compute_block_hashes, next_sequence_hash, tokens_to_bytes
 from kvflow.schemas import FinishReason, KvEvent
+from kvflow.schemas.block_hash import block_seed, compute_block_hashes, next_sequence_hash, tokens_to_bytes
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
 

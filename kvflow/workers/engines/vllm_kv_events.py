@@ -47,7 +47,7 @@ Wire format (checked against ``vllm/distributed/kv_events.py`` and
 
 Re-hashing: vLLM's block hashes (SHA-256 or builtin hash over its own
 key) are not kvflow's. The router's KV index looks up hashes computed from
-prompts with :func:`kvflow.router.hashing.compute_block_hashes`, so
+prompts with :func:`kvflow.schemas.block_hash.compute_block_hashes`, so
 :class:`KvEventTranslator` recomputes every stored block's kvflow sequence
 hash from the event's token ids, chained from the kvflow hash of the vLLM
 parent, and remembers vLLM hash → kvflow hashes per worker so that
@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.aio import cancel_and_wait
-from kvflow.router.hashing import chain_sequence_hashes, compute_local_block_hashes
 from kvflow.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvTier
+from kvflow.schemas.block_hash import chain_sequence_hashes, compute_local_block_hashes
 
 __all__ = [
     "KvEventTranslator",
@@ -383,7 +383,7 @@ class KvEventTranslator:
     Rules:
 
     * Stored: kvflow hashes are recomputed from ``token_ids`` with
-      :func:`~kvflow.router.hashing.compute_local_block_hashes` (salted by
+      :func:`~kvflow.schemas.block_hash.compute_local_block_hashes` (salted by
       ``lora_name``) and chained from the kvflow hash of the vLLM parent.
       Unknown parent → skipped (``unknown_parent``). If ``token_ids`` covers
       more blocks than ``block_hashes`` (vLLM skipped blocks already cached

@@ -14,7 +14,7 @@ Block life cycle::
       └──────────── evicted to make room (BlockRemoved) ◄───┘
 
 A block is *committed* once it is full and its KV computed: it gets its
-chained sequence hash (:mod:`kvflow.router.hashing`) and a ``BlockStored``
+chained sequence hash (:mod:`kvflow.schemas.block_hash`) and a ``BlockStored``
 event. A later sequence whose leading hashes match reuses committed blocks
 instead of recomputing them (prefix caching) — whether they are still in use
 by another sequence (ref count > 1) or already released (taken back off the
@@ -69,7 +69,7 @@ class BlockPool:
 
     Sequences are named by any hashable ``seq_id`` (a request id).
     ``block_hashes`` arguments are chained sequence hashes of a sequence's
-    full blocks, from block 0 (see :func:`kvflow.router.hashing.compute_block_hashes`).
+    full blocks, from block 0 (see :func:`kvflow.schemas.block_hash.compute_block_hashes`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:

@@ -1,5 +1,8 @@
 """Block hashing: the names kvflow gives to KV cache blocks.
 
+Part of the wire contract: KV events, the router's KV index and every
+worker engine speak in these hashes, so they live with the records.
+
 A prompt is cut into full blocks of ``block_size`` tokens (a trailing partial
 block is never hashed). Each block gets two 64-bit hashes:
 
@@ -69,7 +72,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
 _BIG_ENDIAN = sys.byteorder == "big"
 if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte 'I'
-    raise ImportError("kvflow.router.hashing needs a 4-byte array('I')")
+    raise ImportError("kvflow.schemas.block_hash needs a 4-byte array('I')")
 
 
 class BlockSizeMismatch(ValueError):
