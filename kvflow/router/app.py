@@ -296,13 +296,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     @app.task
     async def project_inflight() -> None:
         await follow_topic(settings, catalog.inflight, on_inflight_record, state.inflight_caught_up,
-                           idle_wait_ms=settings.router_state_wait_ms, policies=state.projection_waits)
+                           idle_wait_ms=settings.state_wait_ms, policies=state.projection_waits)
 
     @app.task
     async def project_kv_events() -> None:
         if uses_events:
             await follow_topic(settings, catalog.kv_events, on_kv_record, state.kv_caught_up,
-                               idle_wait_ms=settings.router_state_wait_ms, policies=state.projection_waits)
+                               idle_wait_ms=settings.state_wait_ms, policies=state.projection_waits)
 
     async def request_dump(worker_id: str) -> None:
         ask = KvDumpRequest(worker_id=worker_id, requested_by=router_id, ts_ms=now_ms())

@@ -60,7 +60,9 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats are not latency critical
+        policy = adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast...
+        if policy is not None:  # ... but a starting worker's model must be known within a moment
+            policy.idle_ms = min(policy.idle_ms, settings.state_wait_ms)
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry)
         follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")
