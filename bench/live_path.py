@@ -213,7 +213,7 @@ def py_spy(procs: dict[str, list[psutil.Process]], out_dir: Path, seconds: int) 
         if p is None:
             continue
         spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(p.pid), "--duration", str(seconds),
-                                       "--rate", "50", "--output", str(out_dir / f"live_path_{name}.svg")],
+                                       "--rate", "50", "--gil", "--output", str(out_dir / f"live_path_{name}.svg")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return spies
 

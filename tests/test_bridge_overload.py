@@ -5,6 +5,7 @@ count returns to zero (through a real uvicorn server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import uvicorn
@@ -41,3 +42,29 @@ async def test_requests_past_the_inflight_bound_get_503_and_admitted_ones_comple
     finally:
         server.should_exit = True
         await task
+
+
+async def test_tokenizers_of_live_models_are_loaded_before_a_request_needs_them(waiter):
+    from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
+
+    loads: list[str] = []
+    specs: list[str] = []
+
+    def loader(spec: str) -> str:
+        loads.append(spec)
+        if spec == "broken":
+            raise OSError("no such tokenizer")
+        return f"tok:{spec}"
+
+    cache = TokenizerCache(loader)
+    task = asyncio.create_task(prewarm(cache, lambda: specs, interval_s=0.01))
+    try:
+        specs.extend(["a", "broken"])
+        await waiter(lambda: "a" in cache._loaded and loads.count("broken") >= 2)  # a failure is retried
+        specs.append("b")
+        await waiter(lambda: "b" in cache._loaded)
+        assert await cache.get("a") == "tok:a" and loads.count("a") == 1  # loaded once, served from the cache
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

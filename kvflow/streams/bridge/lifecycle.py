@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
 from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
 from kvflow.streams.bridge.worker_registry import WorkerRegistry, assign_workers_topic, catch_up, follow_workers
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
@@ -67,12 +68,17 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         seen = await catch_up(consumer, registry)
         follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
+        tokenizers = TokenizerCache()
+        warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()
+                                                                 if (s := registry.tokenizer_spec(m))]),
+                                   name="kvflow-bridge-tokenizers")
+        stack.push_async_callback(_cancel, warm)
 
         log.info("bridge connected: responses slot %d, %d heartbeats replayed, models %s",
                  client.slot, seen, registry.models())
         cancel = functools.partial(client.cancel, requested_by=f"bridge:{client.slot}")
         yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish,
-                          cancel=cancel)
+                          cancel=cancel, tokenizers=tokenizers)
 
 
 async def _cancel(task: asyncio.Task) -> None:

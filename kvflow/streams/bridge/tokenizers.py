@@ -10,12 +10,15 @@ milliseconds, so both run in a thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.schemas import ChatMessage
 
-__all__ = ["TokenizerCache", "encode_chat", "encode_prompt"]
+__all__ = ["TokenizerCache", "encode_chat", "encode_prompt", "prewarm"]
+
+log = logging.getLogger(__name__)
 
 
 def _default_loader(spec: str) -> Any:
@@ -64,3 +67,24 @@ async def encode_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[i
 async def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """``tokenizer.encode_prompt(text)`` in a thread; returns ids, shape [ISL]."""
     return await asyncio.to_thread(tokenizer.encode_prompt, text)
+
+
+async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], interval_s: float = 1.0) -> None:
+    """Load every tokenizer ``specs()`` names (the live workers' models) before
+    a request needs it, checking every ``interval_s``; runs until cancelled.
+
+    The first load of a Hugging Face tokenizer imports transformers, holding
+    the interpreter lock for seconds: done on the first request, it stalled
+    the bridge and the router in the same process (the first requests of a
+    load test waited seconds for their first token). A failed load is logged
+    and retried at the next check.
+    """
+    while True:
+        for spec in list(specs()):
+            if spec in cache._loaded or spec in cache._loading:
+                continue
+            try:
+                await cache.get(spec)
+            except Exception as exc:  # noqa: BLE001 - the request path reports it if it persists
+                log.warning("cannot pre-load tokenizer %r: %s", spec, exc)
+        await asyncio.sleep(interval_s)
