@@ -8,7 +8,11 @@ the destination, or the TCP fallback). In the same run it times a
 single-process ``numpy.copyto`` of the same size (memcpy) and reports each
 transport's bandwidth as a fraction of it.
 
-    python bench/kv_transfer.py [--sizes-mib 1 16 64 256] [--reps 5] [--backends nixl tcp]
+    python bench/kv_transfer.py [--sizes-mib 1 16 64 256] [--reps 5] [--backends nixl tcp] [--device cuda]
+
+``--device cuda`` puts both buffers in GPU memory (torch CUDA tensors, which
+the transport registers with NIXL as ``VRAM``; TCP stages through host
+memory) and compares against a device-to-device ``Tensor.copy_``.
 
 Bandwidth = bytes / median seconds of ``reps`` pulls into a reused, pre-faulted
 destination, after one warm-up pull (which also checks the bytes).
@@ -39,11 +43,47 @@ def payload(size: int) -> np.ndarray:
     return np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
 
 
-async def serve(backend: str, sizes: list[int]) -> None:
+def on_device(buf: np.ndarray, device: str):
+    """``buf`` itself (``cpu``), or a torch tensor copy of it on ``device``."""
+    if device == "cpu":
+        return buf
+    import torch
+
+    return torch.from_numpy(buf).to(device)
+
+
+def empty_like_on(size: int, device: str, fill: bool = True):
+    """A destination of ``size`` bytes on ``device`` (pre-faulted when ``fill``)."""
+    if device == "cpu":
+        dest = np.empty(size, np.uint8)
+    else:
+        import torch
+
+        dest = torch.empty(size, dtype=torch.uint8, device=device)
+    if fill:
+        dest.fill(1) if device == "cpu" else dest.fill_(1)
+    return dest
+
+
+def same_bytes(dest, size: int) -> bool:
+    """Whether ``dest`` (host array or device tensor) holds :func:`payload` of ``size``."""
+    host = dest if isinstance(dest, np.ndarray) else dest.cpu().numpy()
+    return bool(np.array_equal(host, payload(size)))
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (no-op on the CPU)."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+async def serve(backend: str, sizes: list[int], device: str = "cpu") -> None:
     """Source side: expose one buffer per size, print descriptors, wait for a line on stdin."""
     transport = KvTransport("bench-source", TransferConfig(backend=backend, ttl_s=3600))
     await transport.start()
-    buffers = [payload(s) for s in sizes]
+    buffers = [on_device(payload(s), device) for s in sizes]
     descs = [await transport.expose(f"bench-{s}", b) for s, b in zip(sizes, buffers)]
     print(json.dumps({"backend": transport.backend, "nixl_error": transport.nixl_error,
                       "descs": [d.model_dump(mode="json") for d in descs]}), flush=True)
@@ -60,22 +100,25 @@ async def json_line(stream: asyncio.StreamReader) -> dict:
             return json.loads(line)
 
 
-def memcpy_gbps(size: int, reps: int) -> float:
-    src = payload(size)
-    dst = np.zeros(size, np.uint8)
-    dst.fill(1)  # fault the pages in before timing
-    np.copyto(dst, src)
+def memcpy_gbps(size: int, reps: int, device: str = "cpu") -> float:
+    src = on_device(payload(size), device)
+    dst = empty_like_on(size, device)  # fault the pages in before timing
+    copy = (lambda: np.copyto(dst, src)) if device == "cpu" else (lambda: dst.copy_(src))
+    copy()
+    sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        copy()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return size / statistics.median(times) / 1e9
 
 
-async def bench_backend(backend: str, sizes: list[int], reps: int) -> dict:
+async def bench_backend(backend: str, sizes: list[int], reps: int, device: str = "cpu") -> dict:
     proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--serve", backend,
                                                 "--sizes-mib", *(str(s // MIB) for s in sizes),
+                                                "--device", device,
                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     reader = KvTransport("bench-reader", TransferConfig(backend=backend))
     try:
@@ -89,20 +132,23 @@ async def bench_backend(backend: str, sizes: list[int], reps: int) -> dict:
         rows = []
         for size, raw in zip(sizes, hello["descs"]):
             desc = TransferDescriptor.model_validate(raw)
-            dest = np.zeros(size, np.uint8)
-            dest.fill(1)
+            dest = empty_like_on(size, device)
             used = await reader.pull(desc, dest)  # warm-up: connection, first registration
-            if used != backend or not np.array_equal(dest, payload(size)):
+            if used != backend or not same_bytes(dest, size):
                 raise RuntimeError(f"{backend} pull of {size} bytes went over {used} or corrupted the data")
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 await reader.pull(desc, dest)
+                sync(device)
                 times.append(time.perf_counter() - t0)
-            fresh = np.empty(size, np.uint8)
+            fresh = empty_like_on(size, device, fill=False)
             t0 = time.perf_counter()
             await reader.pull(desc, fresh)
+            sync(device)
             fresh_s = time.perf_counter() - t0
+            if not same_bytes(fresh, size):
+                raise RuntimeError(f"{backend} pull of {size} bytes into a fresh destination corrupted the data")
             rows.append({"size_mib": size // MIB, "gbps": size / statistics.median(times) / 1e9,
                          "best_gbps": size / min(times) / 1e9, "fresh_dest_gbps": size / fresh_s / 1e9})
         return {"backend": backend, "rows": rows}
@@ -120,10 +166,10 @@ async def bench_backend(backend: str, sizes: list[int], reps: int) -> dict:
 
 async def main(args: argparse.Namespace) -> dict:
     sizes = [s * MIB for s in args.sizes_mib]
-    results = {b: await bench_backend(b, sizes, args.reps) for b in args.backends}
+    results = {b: await bench_backend(b, sizes, args.reps, args.device) for b in args.backends}
     table = []
     for size in sizes:
-        memcpy = memcpy_gbps(size, args.reps)
+        memcpy = memcpy_gbps(size, args.reps, args.device)
         row = {"size_mib": size // MIB, "memcpy_gbps": round(memcpy, 2)}
         for backend, result in results.items():
             found = next((r for r in result.get("rows", []) if r["size_mib"] == size // MIB), None)
@@ -137,7 +183,7 @@ async def main(args: argparse.Namespace) -> dict:
         print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
     nixl_ok = [r["nixl_vs_memcpy"] >= 0.5 for r in table if "nixl_vs_memcpy" in r and r["size_mib"] >= 16]
     return {
-        "bench": "kv_transfer", "processes": 2, "cpus": len(os.sched_getaffinity(0)), "reps": args.reps,
+        "bench": "kv_transfer", "device": args.device, "processes": 2, "cpus": len(os.sched_getaffinity(0)), "reps": args.reps,
         "errors": {b: r["error"] for b, r in results.items() if "error" in r},
         "rows": table,
         "target_nixl_ge_half_memcpy_at_16mib_plus": all(nixl_ok) if nixl_ok else None,
@@ -149,9 +195,10 @@ if __name__ == "__main__":
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["nixl", "tcp"], choices=["nixl", "tcp"])
+    ap.add_argument("--device", default="cpu", help="cpu, or a torch CUDA device such as cuda or cuda:0")
     ap.add_argument("--serve", choices=["nixl", "tcp"], help=argparse.SUPPRESS)
     parsed = ap.parse_args()
     if parsed.serve:
-        asyncio.run(serve(parsed.serve, [s * MIB for s in parsed.sizes_mib]))
+        asyncio.run(serve(parsed.serve, [s * MIB for s in parsed.sizes_mib], parsed.device))
     else:
         print(json.dumps(asyncio.run(main(parsed))))
