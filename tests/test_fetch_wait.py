@@ -73,6 +73,7 @@ def test_settings_build_the_policy_and_only_for_the_embedded_broker():
                  fetch_active_window_s=1.5)
     p = fetch_wait_policy(s, NOT_HOT)
     assert (p.active_ms, p.idle_ms, p.catch_up_ms, p.active_window_s) == (7, 300, 400, 1.5)
+    assert fetch_wait_policy(s, idle_ms=100).idle_ms == 100 and fetch_wait_policy(s, idle_ms=900).idle_ms == 300
     assert adapt_fetch_wait(SimpleNamespace(_fetcher=SimpleNamespace()), s) is None  # real Kafka: none
 
 

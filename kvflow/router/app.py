@@ -87,6 +87,7 @@ from kvflow.schemas import (
     KvDumpRequest,
     KvEventBatch,
     RecordError,
+    ReplyTo,
     RequestFinished,
     WorkerHeartbeat,
     WorkerRole,
@@ -481,26 +482,26 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         for routed in state.orphans.take_lost(gone):
             state.counters["worker_lost"] += 1
             log.warning("worker of %s expired before finishing it; answering worker_lost", routed.request_id)
-            final = FinalResponse(
-                request_id=routed.request_id, finish_reason=FinishReason.error, worker_id=routed.worker_id,
-                error=ErrorInfo(message=f"worker {routed.worker_id} stopped responding before the request finished",
-                                type="service_unavailable", code="worker_lost", status=503, retry_after_s=1),
-                attempt=routed.attempt)
-            await app.producer.send(routed.reply_to.topic, routed.request_id.encode(), encode(final),
-                                    routed.reply_to.partition, None, None)
+            await send_error(routed.request_id, routed.reply_to, routed.attempt,
+                             f"worker {routed.worker_id} stopped responding before the request finished",
+                             status=503, code="worker_lost", retry_after_s=1, worker_id=routed.worker_id)
 
     async def send_record(topic: str, partition: int, key: bytes, value: bytes) -> None:
         await app.producer.send(topic, key, value, partition, None, None)
 
     async def reply_error(request: InferenceRequest, message: str, *, status: int, code: str,
                           retry_after_s: int | None = None) -> None:
+        await send_error(request.request_id, request.reply_to, request.attempt, message, status=status, code=code,
+                         retry_after_s=retry_after_s)
+
+    async def send_error(request_id: str, reply_to: ReplyTo, attempt: int, message: str, *, status: int, code: str,
+                         retry_after_s: int | None = None, worker_id: str = "") -> None:
         final = FinalResponse(
-            request_id=request.request_id, finish_reason=FinishReason.error,
+            request_id=request_id, finish_reason=FinishReason.error, worker_id=worker_id,
             error=ErrorInfo(message=message, type="service_unavailable" if status == 503 else "server_error",
                             code=code, status=status, retry_after_s=retry_after_s),
-            attempt=request.attempt,
+            attempt=attempt,
         )
-        await app.producer.send(request.reply_to.topic, request.request_id.encode(), encode(final),
-                                request.reply_to.partition, None, None)
+        await app.producer.send(reply_to.topic, request_id.encode(), encode(final), reply_to.partition, None, None)
 
     return state

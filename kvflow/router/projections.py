@@ -44,12 +44,9 @@ async def follow_topic(settings: Settings, spec: TopicSpec, handler: Handler,
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
-    policy = adapt_fetch_wait(consumer, settings, None if hot else NOT_HOT)
-    if policy is not None:
-        if idle_wait_ms is not None:
-            policy.idle_ms = min(policy.idle_ms, idle_wait_ms)
-        if policies is not None:
-            policies.append(policy)
+    policy = adapt_fetch_wait(consumer, settings, None if hot else NOT_HOT, idle_ms=idle_wait_ms)
+    if policy is not None and policies is not None:
+        policies.append(policy)
     try:
         tps = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
         consumer.assign(tps)

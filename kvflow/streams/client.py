@@ -325,7 +325,7 @@ class KvflowClient:
                     await self.submit(nxt, key=key)
                     continue
                 if current.attempt and event.error is None:
-                    event = self._merged_final(request, event, delivered_ids[:prior], "".join(delivered_text), prior)
+                    event = self._merged_final(request, event, delivered_ids[:prior], "".join(delivered_text))
                 yield event
                 return
         finally:
@@ -350,12 +350,14 @@ class KvflowClient:
         })
 
     @staticmethod
-    def _merged_final(original: InferenceRequest, final: FinalResponse, prior_ids: list[int], text: str,
-                      prior: int) -> FinalResponse:
+    def _merged_final(original: InferenceRequest, final: FinalResponse, prior_ids: list[int],
+                      text: str) -> FinalResponse:
         """The final record of a migrated request as one uninterrupted request's:
-        all output ids and text, the original prompt length."""
+        ``prior_ids`` (output of the earlier attempts) then the final's ids,
+        the whole ``text``, the original prompt length."""
         usage = final.usage.model_copy(update={
-            "prompt_tokens": len(original.token_ids or ()), "completion_tokens": prior + final.usage.completion_tokens})
+            "prompt_tokens": len(original.token_ids or ()),
+            "completion_tokens": len(prior_ids) + final.usage.completion_tokens})
         return final.model_copy(update={"token_ids": [*prior_ids, *final.token_ids], "text": text, "usage": usage})
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:

@@ -78,24 +78,28 @@ def NOT_HOT(topic: str) -> bool:
     return False
 
 
-def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None) -> FetchWaitPolicy:
-    """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`)."""
-    return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=settings.fetch_idle_wait_ms,
+def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None,
+                      idle_ms: int | None = None) -> FetchWaitPolicy:
+    """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`);
+    ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms``."""
+    idle = settings.fetch_idle_wait_ms if idle_ms is None else min(idle_ms, settings.fetch_idle_wait_ms)
+    return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=idle,
                            catch_up_ms=settings.fetch_catch_up_wait_ms,
                            active_window_s=settings.fetch_active_window_s, hot=hot)
 
 
 def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
-                     hot: Callable[[str], bool] | None = None) -> FetchWaitPolicy | None:
+                     hot: Callable[[str], bool] | None = None, *, idle_ms: int | None = None) -> FetchWaitPolicy | None:
     """Give a started consumer of the embedded broker an adaptive fetch wait.
 
     ``hot``: topics whose records count as activity (None: all; :func:`NOT_HOT`
-    for background consumers). Returns the policy, or None on a real Kafka
-    cluster, whose broker cuts long-polls short and needs none.
+    for background consumers); ``idle_ms``: a lower cap on its quiet wait.
+    Returns the policy, or None on a real Kafka cluster, whose broker cuts
+    long-polls short and needs none.
     """
     if not settings.embedded_broker:
         return None
-    return install(consumer, fetch_wait_policy(settings, hot))
+    return install(consumer, fetch_wait_policy(settings, hot, idle_ms))
 
 
 async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:

@@ -61,9 +61,8 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        policy = adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast...
-        if policy is not None:  # ... but a starting worker's model must be known within a moment
-            policy.idle_ms = min(policy.idle_ms, settings.state_wait_ms)
+        # Heartbeats do not make it poll fast, but a starting worker's model must be known within a moment.
+        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=settings.state_wait_ms)
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry)
         follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")

@@ -81,9 +81,7 @@ async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], int
     """
     while True:
         for spec in list(specs()):
-            if spec in cache._loaded or spec in cache._loading:
-                continue
-            try:
+            try:  # a loaded spec returns at once; one being loaded is shared
                 await cache.get(spec)
             except Exception as exc:  # noqa: BLE001 - the request path reports it if it persists
                 log.warning("cannot pre-load tokenizer %r: %s", spec, exc)
