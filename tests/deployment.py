@@ -48,6 +48,29 @@ async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int,
 
 
 @contextlib.asynccontextmanager
+async def serve_app(app, *, lifespan: str = "on") -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn in this process on a free loopback port until the
+    block exits; yields its base URL.
+
+    Raises:
+        AssertionError: the server exited during start-up.
+    """
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not task.done(), "server exited during start-up"
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
 async def serve_bridge(settings: Settings, catalog, slot: int) -> AsyncIterator[tuple]:
     """The HTTP bridge on responses partition ``slot``, served by uvicorn in this process on a free
     port until it reports a live worker; yields ``(url, bridge state)``.
@@ -56,24 +79,12 @@ async def serve_bridge(settings: Settings, catalog, slot: int) -> AsyncIterator[
         AssertionError: the server exited during start-up.
         TimeoutError: the bridge never saw a live worker.
     """
-    import uvicorn
-
     from kvflow.streams.bridge import build_app
 
     app = build_app(settings, catalog, slot=slot)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while not server.started:
-            assert not task.done(), "bridge exited during start-up"
-            await asyncio.sleep(0.02)
+    async with serve_app(app) as url:
         await wait_bridge_healthy(url)
         yield url, app.state.bridge
-    finally:
-        server.should_exit = True
-        await task
 
 
 @contextlib.asynccontextmanager

@@ -8,10 +8,9 @@ import asyncio
 import contextlib
 
 import httpx
-import uvicorn
+from deployment import serve_app
 
 from kvflow.streams.bridge.app import build_app_for_state
-from kvflow.streams.broker import free_port
 from test_bridge_unit import ScriptedSource, chat_body, make_state
 
 
@@ -19,14 +18,8 @@ async def test_requests_past_the_inflight_bound_get_503_and_admitted_ones_comple
     reply = "y" * 40
     source = ScriptedSource(reply, delay_s=0.02)
     state = make_state(source, bridge_max_inflight_requests=4)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app_for_state(state), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+    async with serve_app(build_app_for_state(state), lifespan="off") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             answers = await asyncio.gather(*(http.post("/v1/chat/completions", json=chat_body(max_tokens=64))
                                              for _ in range(16)))
             ok = [a for a in answers if a.status_code == 200]
@@ -39,9 +32,6 @@ async def test_requests_past_the_inflight_bound_get_503_and_admitted_ones_comple
             assert state.inflight == 0
             again = await http.post("/v1/chat/completions", json=chat_body(max_tokens=64))
             assert again.status_code == 200 and state.inflight == 0
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def test_tokenizers_of_live_models_are_loaded_before_a_request_needs_them(waiter):

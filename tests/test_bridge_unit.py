@@ -20,7 +20,7 @@ import json
 import httpx
 import openai
 import pytest
-import uvicorn
+from deployment import serve_app
 from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -58,7 +58,6 @@ from kvflow.streams.bridge.openai_format import (
 from kvflow.streams.bridge.sse import DONE, chat_sse, completion_sse
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
-from kvflow.streams.broker import free_port
 from kvflow.streams.client import RequestTimeout
 from kvflow.workers.tokenizer import ByteTokenizer
 
@@ -540,14 +539,8 @@ async def test_client_disconnect_stops_reading_the_stream():
     response-source iterator and counts the request as 499."""
     source, published = ScriptedSource("x" * 200, delay_s=0.02), []
     state = make_state(source, published=published)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app_for_state(state), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+    async with serve_app(build_app_for_state(state), lifespan="off") as url:
+        async with httpx.AsyncClient(base_url=url) as http:
             async with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as resp:
                 assert resp.status_code == 200
                 assert resp.headers["content-type"].startswith("text/event-stream")
@@ -566,6 +559,4 @@ async def test_client_disconnect_stops_reading_the_stream():
         assert source.closed == 1
         (rec,) = published
         assert not rec.ok and rec.osl < 200
-    finally:
-        server.should_exit = True
-        await task
+

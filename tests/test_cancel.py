@@ -19,9 +19,8 @@ import json
 
 import httpx
 import pytest
-import uvicorn
 from aiokafka import TopicPartition
-from deployment import in_process_cluster, read_final, wait_bridge_healthy
+from deployment import in_process_cluster, read_final, serve_bridge
 
 from kvflow.schemas import (
     DeadLetter,
@@ -34,8 +33,6 @@ from kvflow.schemas import (
     decode,
     encode,
 )
-from kvflow.streams.bridge import build_app
-from kvflow.streams.broker import free_port
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig
@@ -62,20 +59,8 @@ async def cluster(kafka, waiter):
 async def bridge(cluster):
     """``(url, bridge state)`` of a bridge on ``BRIDGE_SLOT`` in front of ``cluster``."""
     settings, catalog, _, _ = cluster
-    app = build_app(settings, catalog, slot=BRIDGE_SLOT)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while not server.started:
-            assert not task.done(), "bridge exited during start-up"
-            await asyncio.sleep(0.02)
-        await wait_bridge_healthy(url)
-        yield url, app.state.bridge
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_bridge(settings, catalog, BRIDGE_SLOT) as served:
+        yield served
 
 
 async def read_dead_letters(settings, catalog, count: int, timeout_s: float = 10.0) -> list[DeadLetter]:
