@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable
 from enum import Enum
 from typing import Annotated, ClassVar, Literal, Union
 
@@ -227,20 +228,8 @@ def encode_kv_batch(batch: KvEventBatch) -> bytes:
     Raises:
         ValueError: a field outside MessagePack's integer range (see :class:`KvEventBatch`).
     """
-    events: list[KvWireStored | KvWireRemoved | KvWireCleared] = []
-    for ev in batch.events:
-        kind = type(ev)
-        if kind is BlockStored:
-            events.append(KvWireStored(_u64_bytes(ev.block_hashes), ev.parent_block_hash, ev.tier, ev.lora_name))
-        elif kind is BlockRemoved:
-            events.append(KvWireRemoved(_u64_bytes(ev.block_hashes), ev.tier))
-        elif kind is AllBlocksCleared:
-            events.append(KvWireCleared())
-        else:
-            raise ValueError(f"not a KV event: {kind.__name__}")
     try:
-        return _wire_encoder.encode(KvWireBatch(KV_WIRE_VERSION, batch.worker_id, batch.event_id, batch.block_size,
-                                                batch.ts_ms, events, batch.dump))
+        return _wire_encoder.encode(_wire_batch(batch, _u64_bytes))
     except OverflowError as exc:
         raise ValueError(f"KV event batch of {batch.worker_id!r} does not fit MessagePack integers: {exc}") from exc
 
@@ -316,15 +305,26 @@ def _decode_json(data: bytes | bytearray | memoryview) -> KvEventBatch:
 
 def _wire_of(batch: KvEventBatch) -> KvWireBatch:
     """A validated batch as the :class:`KvWireBatch` :func:`decode_kv_frame` returns."""
+    return _wire_batch(batch, _native_view)
+
+
+def _wire_batch(batch: KvEventBatch, pack: Callable[[list[int]], bytes | memoryview]) -> KvWireBatch:
+    """``batch`` as a :class:`KvWireBatch`, each event's hashes turned into bytes by ``pack``.
+
+    Raises:
+        ValueError: an event that is not a KV event.
+    """
     events: list[KvWireStored | KvWireRemoved | KvWireCleared] = []
     for ev in batch.events:
         kind = type(ev)
         if kind is BlockStored:
-            events.append(KvWireStored(_native_view(ev.block_hashes), ev.parent_block_hash, ev.tier, ev.lora_name))
+            events.append(KvWireStored(pack(ev.block_hashes), ev.parent_block_hash, ev.tier, ev.lora_name))
         elif kind is BlockRemoved:
-            events.append(KvWireRemoved(_native_view(ev.block_hashes), ev.tier))
-        else:
+            events.append(KvWireRemoved(pack(ev.block_hashes), ev.tier))
+        elif kind is AllBlocksCleared:
             events.append(KvWireCleared())
+        else:
+            raise ValueError(f"not a KV event: {kind.__name__}")
     return KvWireBatch(KV_WIRE_VERSION, batch.worker_id, batch.event_id, batch.block_size, batch.ts_ms, events,
                        batch.dump)
 
