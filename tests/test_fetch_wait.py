@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -113,4 +114,53 @@ async def test_fetcher_sends_the_policy_wait(kafka):
             Fetcher._get_actions_per_node = original
         assert seen and set(seen) <= {p.idle_ms, p.catch_up_ms, p.active_ms}
     finally:
+        await consumer.stop()
+
+
+def test_a_wake_asks_for_a_cut_only_when_a_long_poll_is_in_flight():
+    p = policy(cut_above_ms=50)
+    assert p.wake(1.0) is False  # nothing sent yet
+    p.sent_ms = 5
+    assert p.wake(2.0) is False  # an active poll ends soon anyway
+    p.sent_ms = 200
+    assert p.wake(3.0) is True
+
+
+@pytest.mark.parametrize("how", ["wake", "produced"])
+async def test_a_parked_consumer_is_cut_short(kafka, waiter, how):
+    """Against the real embedded broker: a consumer parked in a 20 s long poll
+    gets a new record within 5 s once woken (the broker holds such a fetch
+    for 10 s, its own cap, before answering)."""
+    from aiokafka import TopicPartition
+
+    from kvflow.streams.fetch_wait import produced
+    from kvflow.streams.kafka import make_consumer, make_producer
+
+    kafka_settings, catalog = kafka
+    topic = catalog.requests.name
+    consumer, producer = make_consumer(kafka_settings), make_producer(kafka_settings)
+    await consumer.start()
+    await producer.start()
+    got: list = []
+
+    async def read() -> None:
+        while True:
+            for records in (await consumer.getmany(timeout_ms=30_000)).values():
+                got.extend(records)
+
+    t = TopicPartition(topic, 0)
+    consumer.assign([t])
+    await consumer.seek_to_end(t)
+    p = install(consumer, FetchWaitPolicy(active_ms=10, idle_ms=20_000, active_window_s=0.0))
+    reader = asyncio.create_task(read())
+    try:
+        await waiter(lambda: p.sent_ms == 20_000, timeout_s=30)  # parked
+        await producer.send_and_wait(topic, b"x", partition=0)
+        wake(consumer) if how == "wake" else produced(topic)
+        await waiter(lambda: got, timeout_s=5)
+        assert [r.value for r in got] == [b"x"]
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await producer.stop()
         await consumer.stop()

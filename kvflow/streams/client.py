@@ -65,7 +65,7 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.fetch_wait import wake
+from kvflow.streams.fetch_wait import produced, wake
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 
 __all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE"]
@@ -260,6 +260,7 @@ class KvflowClient:
         wake(self._consumer)  # its answer will arrive on this client's slot: poll fast
         await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
                                            key=(key or request.request_id).encode())
+        produced(self.catalog.requests.name)  # a router in this process may be parked in a long poll
 
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_cancelled, *,
                      requested_by: str | None = None) -> None:

@@ -25,6 +25,17 @@ record after a quiet spell therefore pays up to the current wait on each hop
 whose consumer was idle (at most ``idle_ms`` after a long one); under
 traffic every hop runs at ``active_ms``.
 
+A consumer parked in a long poll can be woken from its own process:
+:func:`wake` / :func:`wake_policy` (a request was just sent whose answer or
+side effects this consumer will read) and :func:`produced` (this process
+just wrote to a topic the consumer reads) cut its in-flight fetch short, by
+cancelling it and closing its connection (the broker answers a connection's
+requests in order, so a new fetch on it would queue behind the parked one);
+the next fetch goes out at once on a fresh connection. So the projections a
+decision is checked against and a same-process hop pay nothing for the idle
+wait; only a hop between processes pays it, once, on the first record after
+a quiet spell.
+
 :func:`install` attaches a policy to a started aiokafka consumer; the fetcher
 hook (:func:`patch_fetcher`) reads it. Consumers without a policy keep their
 fixed ``fetch_max_wait_ms``. On a real Kafka cluster no policy is installed:
@@ -33,14 +44,16 @@ the broker answers a long-poll as soon as data arrives.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FetchWaitPolicy", "PartitionState", "install", "patch_fetcher", "wake"]
+__all__ = ["FetchWaitPolicy", "PartitionState", "install", "patch_fetcher", "wake", "wake_policy", "produced"]
 
 PartitionState = tuple[Any, int | None, int | None]
 """One assigned partition as the policy sees it: (topic-partition with a
@@ -62,14 +75,23 @@ class FetchWaitPolicy:
     active_window_s: float = 2.0
     stuck_after_s: float = 5.0
     hot: Callable[[str], bool] | None = None
+    cut_above_ms: int = 50
+    """A wake cuts short an in-flight fetch sent with a longer wait than this."""
+    sent_ms: int = 0
+    """Wait of the consumer's latest fetch request actually sent (set by the fetcher hook)."""
+    cut: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Aborts the consumer's in-flight fetch (set by :func:`install`)."""
     _last_hw: dict[Any, int] = field(default_factory=dict)
     _moved: dict[Any, tuple[int, float]] = field(default_factory=dict)  # tp -> (position, when it last changed)
     _last_activity: float = -math.inf
 
-    def wake(self, now: float) -> None:
+    def wake(self, now: float) -> bool:
         """Count ``now`` as activity (e.g. a client just sent a request whose
-        answer this consumer will read)."""
+        answer this consumer will read). Returns True when the fetch in
+        flight was sent with a wait above ``cut_above_ms``: the broker will
+        hold it that long, so it is worth cutting short (:func:`wake_policy`)."""
         self._last_activity = max(self._last_activity, now)
+        return self.sent_ms > self.cut_above_ms
 
     def wait_ms(self, partitions: Iterable[PartitionState], now: float) -> int:
         """The wait for the next fetch request, ms.
@@ -127,9 +149,14 @@ def patch_fetcher() -> None:
     @functools.wraps(original)
     def _get_actions_per_node(self: Any, assignment: Any) -> Any:
         policy = getattr(self, "_kvflow_wait", None)
-        if policy is not None:
-            self._fetch_max_wait_ms = policy.wait_ms(_states(assignment), time.monotonic())
-        return original(self, assignment)
+        if policy is None or self._in_flight:
+            # In flight: no fetch goes out now, and the answer brings what the policy reads.
+            return original(self, assignment)
+        self._fetch_max_wait_ms = policy.wait_ms(_states(assignment), time.monotonic())
+        actions = original(self, assignment)
+        if actions[0]:  # fetch requests about to be sent
+            policy.sent_ms = self._fetch_max_wait_ms
+        return actions
 
     Fetcher._get_actions_per_node = _get_actions_per_node
     Fetcher._kvflow_adaptive = True
@@ -137,6 +164,9 @@ def patch_fetcher() -> None:
 
 def install(consumer: Any, policy: FetchWaitPolicy) -> FetchWaitPolicy:
     """Attach ``policy`` to a *started* aiokafka consumer; returns it.
+
+    The consumer is also registered for :func:`produced` (same-process wake
+    ups), and ``policy.cut`` is set to abort its in-flight fetch.
 
     Raises:
         RuntimeError: the consumer is not started (it has no fetcher yet).
@@ -146,12 +176,82 @@ def install(consumer: Any, policy: FetchWaitPolicy) -> FetchWaitPolicy:
         raise RuntimeError("install a fetch-wait policy after the consumer has started")
     patch_fetcher()
     fetcher._kvflow_wait = policy
+    loop = fetcher._loop
+    policy.cut = functools.partial(_cut_threadsafe, loop, weakref.ref(consumer))
+    _local[consumer] = policy
     return policy
 
 
-def wake(consumer: Any) -> None:
-    """Mark activity on ``consumer``'s policy, if it has one (no-op otherwise)."""
+def _cut_threadsafe(loop: asyncio.AbstractEventLoop, ref: Callable[[], Any]) -> None:
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        _cut(ref)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(_cut, ref)  # faust runs its consumer on its own thread's loop
+
+
+def _cut(ref: Callable[[], Any]) -> None:
+    """Abort ``consumer``'s in-flight fetch so its next one goes out now.
+
+    The broker answers requests on one connection in order, so cancelling
+    the fetch task is not enough: the connection it waits on is closed too
+    and the next fetch opens a fresh one (a few ms on localhost).
+    """
+    consumer = ref()
     fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is None or not fetcher._in_flight:
+        return
+    from aiokafka.client import ConnectionGroup
+    from aiokafka.conn import CloseReason
+
+    tasks = [t for t in fetcher._pending_tasks if not t.done()]
+    if not tasks or any(t.get_coro().__qualname__ != "Fetcher._proc_fetch_request" for t in tasks):
+        return  # e.g. a position reset in flight (start-up): cancelling it would stall those partitions
+    nodes = set(fetcher._in_flight)
+    for task in tasks:
+        task.cancel()  # the fetcher treats a cancelled fetch as "no data" and sends the next one
+    for (node, group), conn in list(consumer._client._conns.items()):
+        if group == ConnectionGroup.DEFAULT and node in nodes:
+            conn.close(reason=CloseReason.IDLE_DROP)  # IDLE_DROP: no metadata refresh
     policy = getattr(fetcher, "_kvflow_wait", None)
     if policy is not None:
-        policy.wake(time.monotonic())
+        policy.sent_ms = 0
+
+
+def wake_policy(policy: FetchWaitPolicy | None) -> None:
+    """Mark activity on ``policy`` now and, if its consumer is parked in a
+    long fetch, cut that fetch short (safe from any thread)."""
+    if policy is not None and policy.wake(time.monotonic()) and policy.cut is not None:
+        policy.cut()
+
+
+def produced(topic: str) -> None:
+    """Tell this process's adaptive consumers that a record was just sent to
+    ``topic``: any of them assigned that topic wakes (and cuts a long fetch).
+
+    Lets a hop whose producer and consumer share a process (bridge → router
+    in ``kvflow up``) skip the idle wait of the first record after a quiet
+    spell. Cheap when nothing is parked: one comparison per consumer.
+    """
+    now = time.monotonic()
+    for consumer, policy in list(_local.items()):
+        if policy.sent_ms <= policy.cut_above_ms:
+            continue
+        try:
+            topics = {tp.topic for tp in consumer.assignment()}
+        except Exception:  # noqa: BLE001 - consumer stopping or being reassigned
+            continue
+        if topic in topics and policy.wake(now) and policy.cut is not None:
+            policy.cut()
+
+
+_local: "weakref.WeakKeyDictionary[Any, FetchWaitPolicy]" = weakref.WeakKeyDictionary()
+
+
+def wake(consumer: Any) -> None:
+    """:func:`wake_policy` for ``consumer``'s policy, if it has one (no-op otherwise)."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    wake_policy(getattr(fetcher, "_kvflow_wait", None))
