@@ -72,16 +72,6 @@ class Settings(BaseSettings):
     the first record after a long quiet spell, per hop, and sets the idle CPU
     cost. Defaults to 1000."""
 
-    state_wait_ms: int = Field(default=100, ge=1)
-    """Longest fetch wait, on the embedded broker when quiet, of the
-    projections requests are checked against: the router's ``inflight`` and
-    ``kv-events`` (a request wakes them) and the bridge's ``workers``. Bounds
-    how stale the router's load and cache view, and the bridge's list of
-    served models, are after a quiet spell (with the 1 s idle wait, a prompt
-    repeated right after its first answer was routed away from its cache,
-    and a bridge answered 404 for a model whose worker had just started).
-    Defaults to 100."""
-
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
     partition's end (the broker needs time to assemble the records; with a

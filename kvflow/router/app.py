@@ -57,7 +57,6 @@ import contextlib
 import functools
 import logging
 import tempfile
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -70,7 +69,7 @@ from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
-from kvflow.router.projections import follow_topic
+from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.shedding import BoundedRequestQueue, QueueFull, ShedConfig, has_free_worker, shed
 from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
@@ -98,6 +97,7 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.fetch_wait import produced, wake_policy
 from kvflow.streams.kafka import bootstrap, fetch_wait_policy
 from kvflow.streams.kafka_security import faust_security
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
@@ -280,10 +280,6 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             state.counters["kv_gaps"] += 1
             await request_dump(batch.worker_id)
 
-    @app.task
-    async def project_workers() -> None:
-        await follow_topic(settings, catalog.workers, on_worker_record, state.workers_caught_up, hot=False)
-
     async def on_inflight_record(msg) -> None:
         try:
             record = decode(InflightRecord, msg.value)
@@ -295,15 +291,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             state.orphans.finished(record.request_id, record.worker_id)
 
     @app.task
-    async def project_inflight() -> None:
-        await follow_topic(settings, catalog.inflight, on_inflight_record, state.inflight_caught_up,
-                           idle_wait_ms=settings.state_wait_ms, policies=state.projection_waits)
-
-    @app.task
-    async def project_kv_events() -> None:
+    async def project_state() -> None:
+        # One consumer: heartbeats, then KV events, then finish records of each fetch.
+        follows = [Follow(catalog.workers, on_worker_record, state.workers_caught_up, hot=False)]
         if uses_events:
-            await follow_topic(settings, catalog.kv_events, on_kv_record, state.kv_caught_up,
-                               idle_wait_ms=settings.state_wait_ms, policies=state.projection_waits)
+            follows.append(Follow(catalog.kv_events, on_kv_record, state.kv_caught_up))
+        follows.append(Follow(catalog.inflight, on_inflight_record, state.inflight_caught_up))
+        await follow_topics(settings, follows, policies=state.projection_waits)
 
     async def request_dump(worker_id: str) -> None:
         ask = KvDumpRequest(worker_id=worker_id, requested_by=router_id, ts_ms=now_ms())
@@ -311,6 +305,9 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     @app.timer(interval=max(0.05, settings.heartbeat_interval_ms / 1000))
     async def housekeeping() -> None:
+        if any(s.held() for s in state.table.inflight.workers.values()):
+            for wait in state.projection_waits:  # finish records and KV events are on their way
+                wake_policy(wait)
         now = now_ms()
         expired = expire_workers(state.table, now)
         await answer_lost(expired)
@@ -339,7 +336,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     async def route_one(request: InferenceRequest) -> None:
         for wait in state.projection_waits:  # traffic: keep the load and cache views fresh
-            wait.wake(time.monotonic())
+            wake_policy(wait)  # a projection parked in a long poll after a quiet spell polls again now
         if not (state.workers_caught_up.is_set() and state.inflight_caught_up.is_set()):
             # First requests after a (re)start: let the table catch up with the log.
             with contextlib.suppress(asyncio.TimeoutError):
@@ -488,6 +485,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     async def send_record(topic: str, partition: int, key: bytes, value: bytes) -> None:
         await app.producer.send(topic, key, value, partition, None, None)
+        produced(topic)  # a worker in this process may be parked in a long poll
 
     async def reply_error(request: InferenceRequest, message: str, *, status: int, code: str,
                           retry_after_s: int | None = None) -> None:

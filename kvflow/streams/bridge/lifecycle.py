@@ -19,14 +19,22 @@ from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
-from kvflow.streams.bridge.worker_registry import WorkerRegistry, assign_workers_topic, catch_up, follow_workers
+from kvflow.streams.bridge.worker_registry import (ModelState, WorkerRegistry, assign_workers_topic, catch_up,
+                                                   follow_workers)
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
+from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
 
 __all__ = ["kafka_bridge_state"]
 
 log = logging.getLogger(__name__)
+
+MODEL_WAIT_S = 0.5
+"""Longest a request for a model not (yet) served waits for the worker
+projection to catch up before its 404/503: the projection's fetch is cut
+short (:func:`~kvflow.streams.fetch_wait.wake`), so a worker that has sent
+one heartbeat is seen within a few fetches of 10 ms."""
 
 
 @contextlib.asynccontextmanager
@@ -61,11 +69,12 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        # Heartbeats do not make it poll fast, but a starting worker's model must be known within a moment.
-        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=settings.state_wait_ms)
+        adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry)
-        follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")
+        applied = asyncio.Event()
+        follower = asyncio.create_task(follow_workers(consumer, registry, on_applied=applied.set),
+                                       name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
         tokenizers = TokenizerCache()
         warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()
@@ -76,8 +85,18 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         log.info("bridge connected: responses slot %d, %d heartbeats replayed, models %s",
                  client.slot, seen, registry.models())
         cancel = functools.partial(client.cancel, requested_by=f"bridge:{client.slot}")
+
+        async def refresh_workers(model: str) -> None:
+            wake(consumer)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + MODEL_WAIT_S
+            while registry.model_state(model) is not ModelState.serving and loop.time() < deadline:
+                applied.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(applied.wait(), deadline - loop.time())
+
         yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish,
-                          cancel=cancel, tokenizers=tokenizers)
+                          cancel=cancel, tokenizers=tokenizers, refresh_workers=refresh_workers)
 
 
 async def _cancel(task: asyncio.Task) -> None:

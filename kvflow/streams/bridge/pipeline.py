@@ -153,6 +153,8 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) 
     body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
     check_supported(kind, data)
     messages = chat_messages(body) if kind is RequestKind.chat else None
+    if state.refresh_workers is not None and state.registry.model_state(body.model) is not ModelState.serving:
+        await state.refresh_workers(body.model)  # a worker may have just started
     tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
     token_ids, echo_text = await _tokenize(body, messages, tokenizer)
     limit = state.settings.max_prompt_tokens

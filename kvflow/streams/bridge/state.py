@@ -82,6 +82,10 @@ class BridgeState:
     """Requests served at once before new ones get 503 (0: ``settings.bridge_max_inflight_requests``)."""
     inflight: int = 0
     api_keys: frozenset[str] | None = field(default=None, repr=False)
+    refresh_workers: Callable[[str], Awaitable[None]] | None = None
+    """Called with a model that is not being served before answering 404/503:
+    brings the worker projection up to date (returns at most ~0.5 s later);
+    None: answer from the projection as it is."""
 
     def __post_init__(self) -> None:
         if self.api_keys is None:

@@ -152,8 +152,10 @@ async def catch_up(consumer: AIOKafkaConsumer, registry: WorkerRegistry, max_wai
     return total
 
 
-async def follow_workers(consumer: AIOKafkaConsumer, registry: WorkerRegistry, retry_s: float = 1.0) -> None:
-    """Fold heartbeats into ``registry`` forever (cancel to stop).
+async def follow_workers(consumer: AIOKafkaConsumer, registry: WorkerRegistry, retry_s: float = 1.0,
+                         on_applied: Callable[[], None] | None = None) -> None:
+    """Fold heartbeats into ``registry`` forever (cancel to stop); ``on_applied``
+    is called after each batch of heartbeats is folded in.
 
     A failed fetch is logged and retried after ``retry_s``: if the broker
     stays away, workers expire from the projection and requests get 503
@@ -168,4 +170,5 @@ async def follow_workers(consumer: AIOKafkaConsumer, registry: WorkerRegistry, r
             log.warning("workers topic fetch failed; retrying in %.1f s", retry_s, exc_info=True)
             await asyncio.sleep(retry_s)
             continue
-        _apply_records(registry, batches)
+        if _apply_records(registry, batches) and on_applied is not None:
+            on_applied()
