@@ -76,7 +76,7 @@ from kvflow.schemas import (
 from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, parse_stage
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import NOT_HOT, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers import disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
@@ -137,6 +137,9 @@ class Worker:
         self.engine = engine
         self.catalog = catalog or Catalog(settings.namespace)
         self.queue_tp = TopicPartition(self.catalog.queue(config.role).name, config.slot)
+        # Control topics, read whole by every worker (assigned, no group): dump requests, then cancels.
+        self.control_tps = [TopicPartition(self.catalog.kv_dump_requests.name, 0),
+                            *(TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions))]
         if config.slot >= self.catalog.queue(config.role).partitions:
             raise ValueError(f"slot {config.slot} >= {self.catalog.queue(config.role).partitions} queue partitions")
         self.producer = make_producer(settings)
@@ -144,7 +147,6 @@ class Worker:
             settings, group_id=f"{settings.namespace}.worker.{config.role.value}.{config.slot}",
             enable_auto_commit=False,
         )
-        self.control = make_consumer(settings)
         self.dlq = DeadLetterWriter(self.producer, self.catalog, consumer=config.worker_id)
         self.inflight: dict[str, _Inflight] = {}
         self.status = WorkerStatus.serving
@@ -175,14 +177,14 @@ class Worker:
         await self.engine.start()
         await self.producer.start()
         await self.consumer.start()
-        self.consumer.assign([self.queue_tp])
+        # One consumer for the queue slot and the control topics: on the embedded broker each
+        # consumer costs a fetch per poll, idle or busy. Only queue records make it poll fast.
+        self.consumer.assign([self.queue_tp, *self.control_tps])
         committed = await self.consumer.committed(self.queue_tp)
         if committed is None:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
-        adapt_fetch_wait(self.consumer, self.settings)
-        await self.control.start()
-        adapt_fetch_wait(self.control, self.settings, NOT_HOT)
+        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
         await self._position_control()
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
@@ -195,7 +197,7 @@ class Worker:
         log.info("worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model, *self.queue_tp)
 
     async def _position_control(self) -> None:
-        """Assign the control topics (no group: every worker reads them whole).
+        """Position on the control topics (assigned, no group: every worker reads them whole).
 
         Dump requests are read from their current end: older ones asked a
         worker that has since gone. Cancels are read back from up to
@@ -206,22 +208,20 @@ class Worker:
         its cancel came earlier. Offsets, not timestamps, place the rewind:
         Tansu answers ``offsets_for_times`` with offset 0.
         """
-        dumps = TopicPartition(self.catalog.kv_dump_requests.name, 0)
-        cancels = [TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions)]
-        self.control.assign([dumps, *cancels])
-        await self.control.seek_to_end(dumps)
-        await self.control.position(dumps)
+        dumps, *cancels = self.control_tps
+        await self.consumer.seek_to_end(dumps)
+        await self.consumer.position(dumps)
         per_partition = max(1, CANCELS_REMEMBERED // len(cancels))
-        ends = await self.control.end_offsets(cancels)
-        starts = await self.control.beginning_offsets(cancels)
+        ends = await self.consumer.end_offsets(cancels)
+        starts = await self.consumer.beginning_offsets(cancels)
         for tp in cancels:
-            self.control.seek(tp, max(starts[tp], ends[tp] - per_partition))
+            self.consumer.seek(tp, max(starts[tp], ends[tp] - per_partition))
         # Read them before taking work, so a cancelled backlog request never reaches the engine.
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
-        behind = [tp for tp in cancels if await self.control.position(tp) < ends[tp]]
+        behind = [tp for tp in cancels if await self.consumer.position(tp) < ends[tp]]
         while behind and time.monotonic() < deadline:
-            await self._apply_control(await self.control.getmany(*behind, timeout_ms=200))
-            behind = [tp for tp in behind if await self.control.position(tp) < ends[tp]]
+            await self._apply_control(await self.consumer.getmany(*behind, timeout_ms=200))
+            behind = [tp for tp in behind if await self.consumer.position(tp) < ends[tp]]
 
     async def run(self) -> None:
         """Start, consume until :meth:`drain` or :meth:`stop`, then shut down."""
@@ -272,7 +272,6 @@ class Worker:
         await self.engine.stop()
         if self._transport is not None:
             await self._transport.close()
-        await self.control.stop()
         await self.consumer.stop()
         await self.producer.stop()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.served)
@@ -285,7 +284,8 @@ class Worker:
             if room <= 0:
                 await asyncio.sleep(0.005)
                 continue
-            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=100, max_records=room)
+            # Records end the wait at once; the timeout only paces the stop check (each empty getmany costs CPU).
+            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=1000, max_records=room)
             records = batches.get(self.queue_tp, [])
             for msg in records:
                 request = await self.dlq.decode(InferenceRequest, msg)
@@ -622,11 +622,14 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._heartbeat()
+                sent = await self.producer.send(self.catalog.workers.name, encode(self._heartbeat_record()),
+                                                key=self.config.worker_id.encode())
                 if time.monotonic() - last_metrics >= self.config.metrics_interval_s:
                     last_metrics = time.monotonic()
+                    # Appended before the sender runs, so both go in one produce request.
                     await self.producer.send(self.catalog.metrics.name, encode(self._metrics_record()),
                                              key=self.config.worker_id.encode())
+                await sent
             except Exception:  # noqa: BLE001 - keep beating through transient broker errors
                 log.exception("heartbeat failed")
 
@@ -669,7 +672,7 @@ class Worker:
     async def _control_listener(self) -> None:
         while True:
             try:
-                batches = await self.control.getmany(timeout_ms=500)
+                batches = await self.consumer.getmany(*self.control_tps, timeout_ms=1000)
             except Exception:  # noqa: BLE001 - keep listening through transient broker errors
                 log.exception("control consumer failed; retrying")
                 await asyncio.sleep(0.5)
