@@ -19,10 +19,11 @@ from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
-from kvflow.streams.bridge.worker_registry import WorkerRegistry, assign_workers_topic, catch_up, follow_workers
+from kvflow.streams.bridge.worker_registry import WorkerRegistry
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
+from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers
 
 __all__ = ["kafka_bridge_state"]
 
@@ -64,8 +65,8 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         # Heartbeats do not make it poll fast, but a starting worker's model must be known within a moment.
         adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=settings.state_wait_ms)
         await assign_workers_topic(consumer, catalog)
-        seen = await catch_up(consumer, registry)
-        follower = asyncio.create_task(follow_workers(consumer, registry), name="kvflow-bridge-workers")
+        seen = await catch_up(consumer, registry.apply)
+        follower = asyncio.create_task(follow_workers(consumer, registry.apply), name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
         tokenizers = TokenizerCache()
         warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()
