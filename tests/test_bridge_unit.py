@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from kvflow.models.tokenizer import ByteTokenizer
 from kvflow.schemas import (
     ChatMessage,
     ErrorInfo,
@@ -59,7 +60,6 @@ from kvflow.streams.bridge.sse import DONE, chat_sse, completion_sse
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
 from kvflow.streams.client import RequestTimeout
-from kvflow.workers.tokenizer import ByteTokenizer
 
 MODEL = "tiny-model"
 REPLY_TO = ReplyTo(topic="ns.responses", partition=3)
