@@ -185,13 +185,13 @@ def count_placement(table: RoutingTable, placement: Placement, request_id: str, 
     """
     decision = placement.decision
     decode = table.workers[decision.worker_id]
-    rid = request_id
     if not placement.plan.remote:
-        note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl,
+        note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl,
                             prefill_tokens=isl - decision.overlap_blocks * decode.block_size, now_ms=now_ms)
         return
-    note_routed_request(table, decision.prefill_worker_id, rid, prompt_tokens=isl, prefill_tokens=isl, now_ms=now_ms)
-    note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
+    note_routed_request(table, decision.prefill_worker_id, request_id, prompt_tokens=isl, prefill_tokens=isl,
+                        now_ms=now_ms)
+    note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
 
 
 def routed_record(request: InferenceRequest, decision: RoutingDecision, decode: WorkerView,
