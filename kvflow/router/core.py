@@ -262,11 +262,14 @@ class RouterCore:
 
         A stopped worker, or one restarted under the same id (new
         ``started_ms``: its KV event ids start again at 0), loses its blocks
-        in the KV index.
+        in the KV index. A heartbeat older than the one held changes nothing.
         """
         table = self.table
-        apply_heartbeat(table, hb)
         wid = hb.worker_id
+        held = table.workers.get(wid)
+        if held is not None and hb.ts_ms < held.last_seen_ms:
+            return
+        apply_heartbeat(table, hb)
         previous = self._started_ms.get(wid)
         gone = wid not in table.workers
         if gone:
