@@ -81,7 +81,8 @@ def main() -> dict:
             "prefix_hit_rate": round(report.prefix_hit_rate, 4),
             "ttft_p50_ms": round(report.ttft_ms.p50, 1), "ttft_p99_ms": round(report.ttft_ms.p99, 1),
             "tpot_p99_ms": round(report.tpot_ms.p99, 2), "itl_p99_ms": round(report.itl_ms.p99, 2),
-            "completed": report.completed, "wall_s": round(time.perf_counter() - t0, 1),
+            "completed": report.completed, "shed": report.shed, "queued": report.queued,
+            "wall_s": round(time.perf_counter() - t0, 1),
         }
         print(f"{policy}: {out[policy]}", flush=True)
     if "kv" in out and "round_robin" in out:

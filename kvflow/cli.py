@@ -25,6 +25,11 @@ from kvflow.cli_options import (
     JoinPortOpt,
     NamespaceOpt,
     PolicyOpt,
+    ShedKvThresholdOpt,
+    ShedModeOpt,
+    ShedPrefillTokenThresholdOpt,
+    ShedQueueCapacityOpt,
+    ShedQueueOrderOpt,
     StateFileOpt,
     check_policy,
     env_help,
@@ -75,6 +80,11 @@ def up(
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     policy: PolicyOpt = None,
+    shed_mode: ShedModeOpt = None,
+    shed_queue_capacity: ShedQueueCapacityOpt = None,
+    shed_queue_order: ShedQueueOrderOpt = None,
+    shed_kv_threshold: ShedKvThresholdOpt = None,
+    shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
     data_dir: DataDirOpt = None,
     state_file: StateFileOpt = None,
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
@@ -117,6 +127,9 @@ def up(
     settings = resolve_settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
                                 disagg_prefill_threshold_tokens=disagg_threshold_tokens,
                                 disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue,
+                                shed_mode=shed_mode, shed_queue_capacity=shed_queue_capacity,
+                                shed_queue_order=shed_queue_order, shed_kv_threshold=shed_kv_threshold,
+                                shed_prefill_token_threshold=shed_prefill_token_threshold,
                                 api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file)
     check_policy(settings.routing_policy)
     if settings.api_keys_file:

@@ -29,6 +29,11 @@ __all__ = [
     "JoinPortOpt",
     "NamespaceOpt",
     "PolicyOpt",
+    "ShedKvThresholdOpt",
+    "ShedModeOpt",
+    "ShedPrefillTokenThresholdOpt",
+    "ShedQueueCapacityOpt",
+    "ShedQueueOrderOpt",
     "StateFileOpt",
     "check_policy",
     "deployment_url",
@@ -69,6 +74,18 @@ DisaggMaxPrefillQueueOpt = Annotated[Optional[int], typer.Option(
     min=1, help=env_help("disagg_max_prefill_queue_per_worker",
                          "Disaggregated serving: prefill remotely only while the prefill queue holds fewer "
                          "requests than this per prefill worker."))]
+ShedModeOpt = Annotated[Optional[str], typer.Option(
+    help=env_help("shed_mode", "When every worker is busy: reject (503 with Retry-After) | queue (hold the request "
+                               "in the router's bounded queue)."))]
+ShedQueueCapacityOpt = Annotated[Optional[int], typer.Option(
+    min=1, help=env_help("shed_queue_capacity", "Most requests the router holds with --shed-mode queue."))]
+ShedQueueOrderOpt = Annotated[Optional[str], typer.Option(
+    help=env_help("shed_queue_order", "Release order of held requests: fcfs | sjf (shortest prompt first)."))]
+ShedKvThresholdOpt = Annotated[Optional[float], typer.Option(
+    help=env_help("shed_kv_threshold", "A worker is busy when this fraction of its KV blocks is in use."))]
+ShedPrefillTokenThresholdOpt = Annotated[Optional[int], typer.Option(
+    min=1, help=env_help("shed_prefill_token_threshold",
+                         "A worker is busy when more prompt tokens than this wait to be prefilled on it."))]
 DataDirOpt = Annotated[Optional[str], typer.Option(
     help=env_help("data_dir", "Embedded state: chDB, and deployments/<port>.json, the state file of each "
                               "running `kvflow up`."))]

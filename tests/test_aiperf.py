@@ -32,7 +32,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def _default_model_dir() -> Path:
-    from kvflow.workers.models import ModelNotFoundError, resolve_model
+    from kvflow.models.resolve import ModelNotFoundError, resolve_model
 
     try:
         return resolve_model(MODEL).path

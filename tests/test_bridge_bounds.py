@@ -11,13 +11,13 @@ import jinja2
 import pytest
 from test_bridge_unit import MODEL, ScriptedSource, assert_openai_error, chat_body, client_for, heartbeat, make_state
 
+from kvflow.models.tokenizer import ByteTokenizer
 from kvflow.schemas.openai import MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
 from kvflow.settings import Settings
 from kvflow.streams.bridge.bounds import DEFAULT_MAX_TOKENS, output_budget
 from kvflow.streams.bridge.errors import BridgeError
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.tokenizers import TokenizerCache
-from kvflow.workers.tokenizer import ByteTokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -21,13 +21,13 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from test_bridge_unit import MODEL, REPLY_TO, Clock, heartbeat
 
+from kvflow.models.tokenizer import ByteTokenizer
 from kvflow.schemas import FinalResponse, FinishReason, InferenceRequest, TokenDelta, Usage
 from kvflow.schemas.requests import MAX_TOKENS_LIMIT
 from kvflow.settings import Settings
 from kvflow.streams.bridge import build_app_for_state
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
-from kvflow.workers.tokenizer import ByteTokenizer
 
 CONFIG = schemathesis.Config.from_str("""
 seed = 1337

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from kvflow.models.tokenizer import ByteTokenizer
 from kvflow.schemas import (
     ChatMessage,
     ErrorInfo,
@@ -59,7 +60,6 @@ from kvflow.streams.bridge.sse import DONE, chat_sse, completion_sse
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
 from kvflow.streams.client import RequestTimeout
-from kvflow.workers.tokenizer import ByteTokenizer
 
 MODEL = "tiny-model"
 REPLY_TO = ReplyTo(topic="ns.responses", partition=3)
@@ -329,7 +329,7 @@ def test_registry_context_length_is_the_smallest_live_one():
     reg.apply(heartbeat("w2", context_length=2048, ts_ms=NOW_MS + 3002))
     clock.ms = NOW_MS + 5001  # w1, w3 and w4 expired
     assert reg.context_length(MODEL) == 2048 and reg.context_length("other") is None
-    assert set(reg.context_lengths) == {"w2"}
+    assert [w.worker_id for w in reg.live_workers()] == ["w2"]
 
 
 def test_heartbeat_without_context_length_decodes_as_unknown():

@@ -90,7 +90,7 @@ def test_an_invalid_value_names_its_variable(monkeypatch):
 def test_non_kvflow_variables_also_come_through_settings(monkeypatch, tmp_path):
     from kvflow.replay.aiperf import find_aiperf
     from kvflow.streams.broker import broker_binary
-    from kvflow.workers.models import models_cache_dir
+    from kvflow.models.resolve import models_cache_dir
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
     assert models_cache_dir() == tmp_path / "cache" / "models"

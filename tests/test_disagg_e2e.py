@@ -1,14 +1,14 @@
 """Disaggregated serving end to end on the real embedded broker.
 
 Mocker tests: in-process prefill and decode :class:`Worker` s; requests are
-routed by a small stand-in for the Faust router that calls
-:func:`kvflow.router.disagg.route_and_forward` (the router's per-request
-step), so the whole flow is real Kafka: requests → prefill queue → prefill
-worker → decode queue → decode worker → responses.
+routed by a small stand-in for the Faust router around the same
+:class:`~kvflow.router.core.RouterCore` (its routing step, then
+:func:`~kvflow.router.disagg.routed_record`), so the whole flow is real
+Kafka: requests → prefill queue → prefill worker → decode queue → decode
+worker → responses.
 
 The SmolLM2 acceptance test runs the real deployment (supervisor, Faust
-router, bridge, hf worker processes) and needs the router to call
-``route_and_forward`` (the change to ``kvflow/router/app.py``).
+router, bridge, hf worker processes).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch
 from aiokafka import TopicPartition
 from deployment import read_final
 
-from kvflow.router.disagg import DisaggConfig, Placement, route_and_forward
-from kvflow.router.policies import RouteRequest
-from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
+from kvflow.router.core import Arrival, RouterCore
+from kvflow.router.disagg import DisaggConfig, Placement, routed_record
 from kvflow.schemas import (
     FinalResponse,
     FinishReason,
@@ -54,12 +53,13 @@ THRESHOLD = 256
 
 
 class GlueRouter:
-    """Routes the requests topic with :func:`route_and_forward` (what the Faust router's
-    ``route_one`` does once wired), folding worker heartbeats into its own table."""
+    """Routes the requests topic with a :class:`RouterCore` (what the Faust router's
+    ``route_one`` does), folding worker heartbeats into it."""
 
     def __init__(self, settings, catalog, config: DisaggConfig) -> None:
-        self.catalog, self.config = catalog, config
-        self.table = RoutingTable()
+        self.catalog = catalog
+        self.core = RouterCore("round_robin", disagg=config, router_id="glue")
+        self.table = self.core.table
         self.placements: dict[str, Placement] = {}
         self.producer = make_producer(settings)
         self.consumer = make_consumer(settings)
@@ -87,19 +87,17 @@ class GlueRouter:
             for tp, records in batches.items():
                 for msg in records:
                     if tp.topic == self.catalog.workers.name:
-                        apply_heartbeat(self.table, decode(WorkerHeartbeat, msg.value))
+                        self.core.on_heartbeat(decode(WorkerHeartbeat, msg.value))
                     else:
                         await self._route(decode(InferenceRequest, msg.value))
 
     async def _route(self, request: InferenceRequest) -> None:
-        now = now_ms()
-        expire_workers(self.table, now)
-        req = RouteRequest(request_id=request.request_id, model=request.model, isl=len(request.token_ids or ()))
-        self.placements[request.request_id] = await route_and_forward(
-            "round_robin", request, req, self.table, self.config, self._send, router_id="glue", now_ms=now)
-
-    async def _send(self, topic: str, partition: int, key: bytes, value: bytes) -> None:
-        await self.producer.send_and_wait(topic, value, key=key, partition=partition)
+        decision = self.core.route(Arrival.of(request), now_ms())
+        placement, target = decision.placement, decision.target
+        record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
+        self.placements[request.request_id] = placement
+        await self.producer.send_and_wait(target.queue_topic, encode(record), key=request.request_id.encode(),
+                                          partition=target.queue_partition)
 
 
 async def start_worker(settings, catalog, worker_id: str, role: WorkerRole, slot: int = 0):
@@ -351,15 +349,7 @@ async def ask(http: httpx.AsyncClient, content: str) -> dict:
     return reply.json()
 
 
-def _router_routes_disaggregated() -> bool:
-    import kvflow.router.app
-
-    return hasattr(kvflow.router.app, "route_and_forward")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _router_routes_disaggregated(),
-                    reason="kvflow/router/app.py does not route through kvflow.router.disagg.route_and_forward yet")
 async def test_smollm2_disaggregated_matches_aggregated_through_the_bridge(broker):
     from kvflow.settings import Settings
     from kvflow.streams.broker import free_port

@@ -1,13 +1,14 @@
-"""The conditional-disaggregation rule and the router glue (pure, no broker)."""
+"""The conditional-disaggregation rule and the router's routing step around it (pure, no broker)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.router.disagg import DisaggConfig, decide_prefill, forward, place, prefill_queue_depth, route_and_forward
+from kvflow.router.core import Arrival, Decision, RouterCore
+from kvflow.router.disagg import DisaggConfig, decide_prefill, place, prefill_queue_depth, routed_record
 from kvflow.router.policies import NoWorkerAvailable, RouteRequest
 from kvflow.router.table import RoutingTable, apply_heartbeat
-from kvflow.schemas import InferenceRequest, ReplyTo, RoutingDecision, WorkerHeartbeat, WorkerRole, decode
+from kvflow.schemas import DecisionOutcome, InferenceRequest, ReplyTo, RoutingDecision, WorkerHeartbeat, WorkerRole
 from kvflow.schemas.transfer import PrefillStage, parse_stage
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
@@ -33,6 +34,10 @@ def table_of(*heartbeats: WorkerHeartbeat) -> RoutingTable:
 def disagg_table(prefill_waiting: int = 0) -> RoutingTable:
     return table_of(heartbeat("d0", WorkerRole.decode, 0), heartbeat("d1", WorkerRole.decode, 1),
                     heartbeat("p0", WorkerRole.prefill, 0, waiting=prefill_waiting))
+
+
+DISAGG_HEARTBEATS = (heartbeat("d0", WorkerRole.decode, 0), heartbeat("d1", WorkerRole.decode, 1),
+                     heartbeat("p0", WorkerRole.prefill, 0))
 
 
 def route_req(isl: int, request_id: str = "r1") -> RouteRequest:
@@ -137,54 +142,55 @@ def test_local_decisions_do_not_advance_the_prefill_round_robin():
     assert [first, second] == ["p0", "p1"]
 
 
-class Sent(list):
-    async def __call__(self, topic: str, partition: int, key: bytes, value: bytes) -> None:
-        self.append((topic, partition, key, decode(InferenceRequest, value)))
+def core_of(*heartbeats: WorkerHeartbeat) -> RouterCore:
+    core = RouterCore("round_robin", disagg=CFG, router_id="router-x")
+    for hb in heartbeats:
+        core.on_heartbeat(hb)
+    return core
 
 
-async def test_forward_remote_goes_to_the_prefill_queue_with_the_decode_target():
-    table, sent = disagg_table(), Sent()
+def routed(core: RouterCore, req: InferenceRequest, now_ms: int = 123) -> tuple[Decision, InferenceRequest]:
+    """The router's routing step: the core's decision and the record sent to ``decision.target``'s queue."""
+    decision = core.route(Arrival.of(req), now_ms)
+    assert decision.outcome is DecisionOutcome.routed
+    placement = decision.placement
+    return decision, routed_record(req, placement.decision, decision.decode_worker, placement.plan.remote)
+
+
+def test_remote_goes_to_the_prefill_queue_with_the_decode_target():
+    core = core_of(*DISAGG_HEARTBEATS)
     req = request("long-1", 2000)
-    placement = await route_and_forward("round_robin", req, route_req(2000, "long-1"), table, CFG, sent,
-                                        router_id="router-x", now_ms=123)
-    assert len(sent) == 1
-    topic, partition, key, routed = sent[0]
-    assert (topic, partition, key) == (CATALOG.queue(WorkerRole.prefill).name, 0, b"long-1")
-    stage = parse_stage(routed.disaggregated_params)
-    decode_worker = table.workers[placement.decision.worker_id]
+    decision, record = routed(core, req)
+    assert (decision.target.queue_topic, decision.target.queue_partition) == (
+        CATALOG.queue(WorkerRole.prefill).name, 0)
+    stage = parse_stage(record.disaggregated_params)
+    decode_worker = decision.decode_worker
     assert stage == PrefillStage(decode_worker_id=decode_worker.worker_id,
                                  decode_queue_topic=CATALOG.queue(WorkerRole.decode).name,
                                  decode_queue_partition=decode_worker.queue_partition)
-    assert routed.routing.prefill_worker_id == "p0"
-    assert (routed.routing.router_id, routed.routing.decided_ms) == ("router-x", 123)
-    assert routed.token_ids == req.token_ids and routed.reply_to == req.reply_to
+    assert record.routing.prefill_worker_id == "p0"
+    assert (record.routing.router_id, record.routing.decided_ms) == ("router-x", 123)
+    assert record.token_ids is req.token_ids and record.reply_to == req.reply_to  # shared, not copied
     # Both the prefill and the decode worker count the request until their next heartbeat.
-    assert table.workers["p0"].routed_since_heartbeat == 1
-    assert table.workers[decode_worker.worker_id].routed_since_heartbeat == 1
+    assert core.table.workers["p0"].routed_since_heartbeat == 1
+    assert core.table.workers[decode_worker.worker_id].routed_since_heartbeat == 1
 
 
-async def test_forward_local_goes_to_the_decode_queue_and_strips_client_params():
-    table, sent = disagg_table(), Sent()
+def test_local_goes_to_the_decode_queue_and_strips_client_params():
+    core = core_of(*DISAGG_HEARTBEATS)
     sneaky = request("short-1", 10, disaggregated_params={"stage": "decode", "prefill_worker_id": "evil",
                                                            "first_token_id": 1, "num_prompt_tokens": 10})
-    placement = place("round_robin", route_req(10, "short-1"), table, CFG)
-    await forward(sneaky, placement, table, sent)
-    topic, partition, _, routed = sent[0]
-    assert topic == CATALOG.queue(WorkerRole.decode).name
-    assert partition == table.workers[placement.decision.worker_id].queue_partition
-    assert routed.disaggregated_params is None
-    assert table.workers["p0"].routed_since_heartbeat == 0
+    decision, record = routed(core, sneaky)
+    assert decision.target is decision.decode_worker
+    assert decision.target.queue_topic == CATALOG.queue(WorkerRole.decode).name
+    assert record.disaggregated_params is None
+    assert core.table.workers["p0"].routed_since_heartbeat == 0
 
 
-async def test_requests_routed_since_the_heartbeat_fill_the_prefill_queue():
-    table, sent = disagg_table(), Sent()
-    remote = []
-    for i in range(4):
-        placement = await route_and_forward("round_robin", request(f"r{i}", 3000), route_req(3000, f"r{i}"),
-                                            table, CFG, sent)
-        remote.append(placement.plan.remote)
+def test_requests_routed_since_the_heartbeat_fill_the_prefill_queue():
+    core = core_of(*DISAGG_HEARTBEATS)
+    remote = [routed(core, request(f"r{i}", 3000))[0].placement.plan.remote for i in range(4)]
     # Limit 2 on one prefill worker: two go remote, then the queue counts as full until a heartbeat.
     assert remote == [True, True, False, False]
-    apply_heartbeat(table, heartbeat("p0", WorkerRole.prefill, 0).model_copy(update={"ts_ms": 2_000}))
-    placement = await route_and_forward("round_robin", request("r9", 3000), route_req(3000, "r9"), table, CFG, sent)
-    assert placement.plan.remote
+    core.on_heartbeat(heartbeat("p0", WorkerRole.prefill, 0).model_copy(update={"ts_ms": 2_000}))
+    assert routed(core, request("r9", 3000))[0].placement.plan.remote

@@ -233,8 +233,8 @@ async def _wait_for(predicate, timeout_s: float = 20.0) -> None:
 @pytest.mark.slow
 async def test_vllm_greedy_matches_hf_and_publishes_kvflow_hashes():
     from kvflow.workers.engines.hf import HfEngine
-    from kvflow.workers.models import ModelNotFoundError, resolve_model
-    from kvflow.workers.tokenizer import load_tokenizer
+    from kvflow.models.resolve import ModelNotFoundError, resolve_model
+    from kvflow.models.tokenizer import load_tokenizer
 
     try:
         resolved = resolve_model("SmolLM2-135M-Instruct")

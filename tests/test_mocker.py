@@ -424,7 +424,7 @@ def test_engine_identity_and_config():
         MockerEngine.from_engine_config(EngineConfig(extra={"nope": 1}))
     with pytest.raises(ValueError):
         MockerConfig(speedup_ratio=0)
-    has_tokenizer_module = importlib.util.find_spec("kvflow.workers.tokenizer") is not None
+    has_tokenizer_module = importlib.util.find_spec("kvflow.models.tokenizer") is not None
     assert (engine.tokenizer is not None) == has_tokenizer_module
     if engine.tokenizer is not None:
         assert engine.config.vocab_size == engine.tokenizer.vocab_size  # every output id decodes

@@ -2,10 +2,10 @@
 
 import pytest
 
+from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage, SamplingParams
 from kvflow.workers.engines.base import GenerateRequest
 from kvflow.workers.main import build_engine
-from kvflow.workers.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

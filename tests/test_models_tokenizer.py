@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.models import resolve as models
+from kvflow.models.resolve import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model
+from kvflow.models.tokenizer import ByteTokenizer, HfTokenizer, IncrementalDetokenizer, load_tokenizer
 from kvflow.schemas import ChatMessage
-from kvflow.workers import models
-from kvflow.workers.models import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model
-from kvflow.workers.tokenizer import ByteTokenizer, HfTokenizer, IncrementalDetokenizer, load_tokenizer
 
 MIXED_TEXT = "Grüße, 世界! naïve café 🎉🚀 — done."
 

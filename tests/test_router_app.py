@@ -129,3 +129,48 @@ async def test_unknown_model_gets_503_reply(kafka, router):
     [msg] = await read_partition(settings, catalog.responses.name, 9, 1)
     final = decode(ResponseEvent, msg.value)
     assert final.request_id == "nomodel" and final.error.code == "no_workers"
+
+
+async def test_queue_mode_holds_requests_releases_them_and_drops_cancelled_ones(kafka, waiter):
+    from kvflow.schemas import CancelReason, CancelRequest, DecisionOutcome, FinishReason
+    from kvflow.streams.explain import read_decisions
+
+    settings, catalog = kafka
+    r = build_router_app(settings.model_copy(update={"shed_mode": "queue", "shed_kv_threshold": 0.5}), catalog,
+                         policy="round_robin")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        busy = heartbeat(catalog, "w1", 4).model_copy(update={"kv_used_blocks": 60})  # 60 of 64 blocks: busy
+        await producer.send_and_wait(catalog.workers.name, encode(busy), key=b"w1")
+        await waiter(lambda: "w1" in r.table.workers)
+        for rid, partition in (("held", 2), ("gone", 3)):
+            req = InferenceRequest(request_id=rid, model="m", prompt="x",
+                                   reply_to=ReplyTo(topic=catalog.responses.name, partition=partition))
+            await producer.send_and_wait(catalog.requests.name, encode(req), key=rid.encode())
+        await waiter(lambda: r.counters["queued"] == 2 and len(r.queue) == 2)
+
+        cancel = CancelRequest(request_id="gone", reason=CancelReason.client_cancelled, requested_by="client:0",
+                               ts_ms=now_ms())
+        await producer.send_and_wait(catalog.cancels.name, encode(cancel), key=b"gone")
+        [msg] = await read_partition(settings, catalog.responses.name, 3, 1)
+        final = decode(ResponseEvent, msg.value)
+        assert final.request_id == "gone" and final.finish_reason is FinishReason.abort
+        assert len(r.queue) == 1 and r.counters["queue_cancelled"] == 1
+
+        free = heartbeat(catalog, "w1", 4, ts=busy.ts_ms + 1)  # the worker's KV use dropped
+        await producer.send_and_wait(catalog.workers.name, encode(free), key=b"w1")
+        [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 4, 1)
+        routed = decode(InferenceRequest, msg.value)
+        assert routed.request_id == "held" and routed.routing.worker_id == "w1"
+        assert r.counters["released"] == 1 and not r.queue
+        outcomes: list = []
+        for _ in range(20):  # decision records are sent without waiting for the broker's ack
+            outcomes = [d.outcome for d in await read_decisions(settings, "held", catalog, idle_ms=300)]
+            if len(outcomes) >= 2:
+                break
+        assert outcomes == [DecisionOutcome.queued, DecisionOutcome.routed]
+    finally:
+        await producer.stop()
+        await r.app.stop()

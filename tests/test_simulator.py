@@ -300,3 +300,33 @@ def test_kv_weights_reach_the_simulated_router():
     # the decode term the workers' shares change
     assert [w.requests for w in default.per_worker] != [w.requests for w in decode_blind.per_worker]
     assert run(KvPolicyConfig()).per_worker == default.per_worker  # explicit defaults = no config
+
+
+def test_replay_reports_shed_and_queued_requests_with_a_small_queue(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvflow.cli import app
+
+    # Eight 20,000-token prompts 1 ms apart onto 2 workers. A worker is busy once its first prefill
+    # chunk (8,192 tokens = 128 blocks) holds more than 0.5% of its 16,384 blocks, so: two are routed,
+    # three wait in the queue (capacity 3) for a tick to release them, three are shed.
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 20_000, "output_length": 2,
+                                         "hash_ids": list(range(100 * i, 100 * i + 40))}) + "\n" for i in range(8)))
+    out = tmp_path / "burst.json"
+    result = CliRunner().invoke(app, [
+        "replay", str(trace), "--mode", "offline", "--workers", "2", "--policy", "round_robin", "--no-progress",
+        "--shed-mode", "queue", "--shed-queue-capacity", "3", "--shed-kv-threshold", "0.005", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "- router: 3 shed, 3 queued" in result.output
+    report = json.loads(out.read_text())
+    assert (report["shed"], report["queued"], report["completed"], report["failed"]) == (3, 3, 5, 3)
+    assert report["options"]["shed"]["mode"] == "queue" and report["options"]["router"]["released"] == 3
+    # The held requests waited for a router tick (every simulated second): their TTFT shows it.
+    assert report["ttft_ms"]["p99"] > 1000.0
+
+
+def test_default_replay_sheds_nothing_and_says_so():
+    report = run_offline(TRACES / "mooncake_conversation_first40min.jsonl", workers=2, policy="kv", limit=30,
+                         progress=False)
+    assert (report.shed, report.queued) == (0, 0) and report.options["shed"]["mode"] == "reject"

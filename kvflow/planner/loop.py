@@ -83,15 +83,12 @@ def workers_topic_counter(settings: Settings, catalog: Catalog) -> ReplicaCounte
     """A :data:`ReplicaCounter` that counts ``serving`` workers per pool in the
     workers topic (replayed on every call, as ``kvflow status`` does; draining
     and expired workers are not counted)."""
-    from kvflow.schemas import WorkerStatus
-    from kvflow.streams.status import read_routing_table
+    from kvflow.streams.workers import read_workers
 
     async def count() -> dict[WorkerRole, int]:
-        table = await read_routing_table(settings, catalog)
         out: dict[WorkerRole, int] = {}
-        for w in table.workers.values():
-            if w.status == WorkerStatus.serving:
-                out[w.role] = out.get(w.role, 0) + 1
+        for w in (await read_workers(settings, catalog)).serving():
+            out[w.role] = out.get(w.role, 0) + 1
         return out
 
     return count

@@ -85,7 +85,7 @@ def make_hf_cache(model_dir: str | Path, cache_root: str | Path,
 
     Args:
         model_dir: a local Hugging Face model directory, e.g.
-            ``kvflow.workers.models.resolve_model("SmolLM2-135M-Instruct").path``.
+            ``kvflow.models.resolve.resolve_model("SmolLM2-135M-Instruct").path``.
         cache_root: directory to use as ``HF_HOME`` (created if missing).
         repo_id: ``ORG/NAME`` to file the tokenizer under; pass the same id
             to ``aiperf --tokenizer``.

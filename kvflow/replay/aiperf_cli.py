@@ -60,7 +60,7 @@ def aiperf(
 ) -> None:
     """Replay the first requests of a Mooncake trace against kvflow with NVIDIA AIPerf."""
     from kvflow.replay.aiperf import aiperf_command, aiperf_env, find_aiperf, make_hf_cache, write_trace_slice
-    from kvflow.workers.models import ModelNotFoundError, resolve_model
+    from kvflow.models.resolve import ModelNotFoundError, resolve_model
 
     exe = find_aiperf()
     if exe is None and not dry_run:

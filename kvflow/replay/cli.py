@@ -1,6 +1,7 @@
 """``kvflow replay``: offline simulation, online replay, and report comparison.
 
     kvflow replay TRACE --mode offline [--workers N] [--policy POLICY] [--seed S] [--json PATH]
+                        [--shed-mode queue --shed-queue-capacity 64]
     kvflow replay TRACE --mode offline --prefill-workers P --decode-workers D [--workers N]
                         [--disagg-threshold-tokens 1000] [--disagg-max-prefill-queue 2]
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
@@ -20,10 +21,12 @@ aggregated workers and defaults to 0 when decode workers are given (beside a
 decode pool they would get nothing); with prefill workers only it keeps its
 default of 8 and those aggregated workers decode.
 
-The routing policy, its ``kv_*`` weights and the disaggregation thresholds
-are the live router's settings: an option left unset takes the
-``KVFLOW_*`` variable ``kvflow up`` would read, else the same default
-(``kv``). ``--router`` is a deprecated spelling of ``--policy``, and
+The routing policy, its ``kv_*`` weights, the load-shedding settings
+(``--shed-mode reject|queue``, ``--shed-queue-capacity``, ...) and the
+disaggregation thresholds are the live router's settings: an option left
+unset takes the ``KVFLOW_*`` variable ``kvflow up`` would read, else the
+same default (policy ``kv``). The report counts the requests the router
+shed and queued. ``--router`` is a deprecated spelling of ``--policy``, and
 ``--planner-ttft-statistic``, ``--planner-itl-statistic`` and
 ``--planner-correction-smoothing`` of ``kvflow up``'s ``--ttft-statistic``,
 ``--itl-statistic`` and ``--correction-smoothing``.
@@ -44,6 +47,11 @@ from kvflow.cli_options import (
     JoinPortOpt,
     NamespaceOpt,
     PolicyOpt,
+    ShedKvThresholdOpt,
+    ShedModeOpt,
+    ShedPrefillTokenThresholdOpt,
+    ShedQueueCapacityOpt,
+    ShedQueueOrderOpt,
     StateFileOpt,
     check_policy,
     deprecated_alias,
@@ -83,6 +91,11 @@ def replay(
     kv_temperature: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_temperature", "offline kv/approx routing: 0 = cheapest worker, > 0 = softmax "
                                                "sampling"))] = None,
+    shed_mode: ShedModeOpt = None,
+    shed_queue_capacity: ShedQueueCapacityOpt = None,
+    shed_queue_order: ShedQueueOrderOpt = None,
+    shed_kv_threshold: ShedKvThresholdOpt = None,
+    shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
     start_ms: Optional[float] = None,
@@ -160,14 +173,19 @@ def replay(
     kv_weights = {k: v for k, v in (("kv_overlap_credit", kv_overlap_credit), ("kv_queue_weight", kv_queue_weight),
                                      ("kv_decode_weight", kv_decode_weight), ("kv_temperature", kv_temperature))
                   if v is not None}
+    shedding = {k: v for k, v in (("shed_mode", shed_mode), ("shed_queue_capacity", shed_queue_capacity),
+                                  ("shed_queue_order", shed_queue_order), ("shed_kv_threshold", shed_kv_threshold),
+                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold)) if v is not None}
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig
+        from kvflow.router.shedding import ShedConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
         # The live router's settings, so the simulation routes as `kvflow up` would in this environment.
         settings = resolve_settings(routing_policy=policy, disagg_prefill_threshold_tokens=disagg_threshold_tokens,
-                                    disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **kv_weights)
+                                    disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **kv_weights,
+                                    **shedding)
         check_policy(settings.routing_policy)
         try:
             plan = _planner_options(planner, sla_ttft_ms if planner_ttft_ms is None else planner_ttft_ms,
@@ -181,12 +199,16 @@ def replay(
                                  prefill_workers=prefill_workers, decode_workers=decode_workers,
                                  disagg=DisaggConfig.from_settings(settings),
                                  worker_startup_ms=worker_startup_s * 1000.0,
-                                 kv_config=KvPolicyConfig.from_settings(settings), **plan, **common)
+                                 kv_config=KvPolicyConfig.from_settings(settings),
+                                 shed=ShedConfig.from_settings(settings), **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
         if planner != "none":
             raise typer.BadParameter("--planner runs in offline mode only (online, run `kvflow up --planner sla`)")
+        if shedding:
+            raise typer.BadParameter("--shed-* options configure the offline simulator's router; online, the "
+                                     "deployment's router reads them from its settings (`kvflow up --shed-mode ...`)")
         if kv_weights:
             raise typer.BadParameter("--kv-* weights configure the offline simulator's router; online, the "
                                      "deployment's router reads them from its settings (KVFLOW_KV_DECODE_WEIGHT, ...)")

@@ -24,6 +24,8 @@ _ROWS: list[tuple[str, Callable[[Report], str]]] = [
     ("policy", lambda r: r.policy),
     ("workers", lambda r: str(r.workers)),
     ("requests (completed / failed)", lambda r: f"{r.requests:,} ({r.completed:,} / {r.failed:,})"),
+    ("router: shed / queued", lambda r: "–" if r.shed is None and r.queued is None
+     else f"{r.shed or 0:,} / {r.queued or 0:,}"),
     ("duration (s)", lambda r: f"{r.duration_s:,.1f}"),
     ("prefix hit rate", lambda r: f"{r.prefix_hit_rate:.1%}"),
     ("TTFT p50 (ms)", _lat(lambda r: r.ttft_ms, "p50")),

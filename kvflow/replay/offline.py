@@ -26,6 +26,7 @@ from kvflow.replay.simulator import KvEventHook, SimConfig, SimResult, simulate
 from kvflow.replay.traces import Trace, read_trace
 from kvflow.router.disagg import DisaggConfig
 from kvflow.router.kv_policy import KvPolicyConfig
+from kvflow.router.shedding import ShedConfig
 from kvflow.workers.engines.mocker_core import MockerConfig
 
 __all__ = ["run_offline", "write_outputs", "compare_reports"]
@@ -46,10 +47,17 @@ def write_outputs(report: Report, records: Sequence[RequestRecord], itl_gaps_ms:
 
 
 def _options(trace: Trace, config: SimConfig, res: SimResult) -> dict:
-    """The report's ``options``: the trace's, the kv weights when set, and the run's step counts and profile."""
+    """The report's ``options``: the trace's, the kv weights when set, the shedding settings,
+    and the run's step counts, router counters and profile."""
     kv = {} if config.kv is None else {"kv_weights": dataclasses.asdict(config.kv)}
-    return {**trace.options, **kv, "engine_steps": res.steps, "stalled_steps": res.stalls,
-            "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}}
+    shed = {k: v.value if hasattr(v, "value") else v for k, v in dataclasses.asdict(config.shed).items()}
+    return {**trace.options, **kv, "shed": shed, "engine_steps": res.steps, "stalled_steps": res.stalls,
+            "router": res.router_counts, "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}}
+
+
+def _router_counts(res: SimResult) -> dict:
+    """``build_report``'s ``shed`` and ``queued`` from the router core's counters."""
+    return {"shed": res.router_counts.get("shed", 0), "queued": res.router_counts.get("queued", 0)}
 
 
 def run_offline(
@@ -82,6 +90,7 @@ def run_offline(
     disagg: DisaggConfig | None = None,
     worker_startup_ms: float = 0.0,
     kv_config: KvPolicyConfig | None = None,
+    shed: ShedConfig | None = None,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -123,6 +132,10 @@ def run_offline(
             takes requests (its replica-hours count from its start).
         kv_config: weights of the ``kv``/``approx`` cost (default: the
             policy defaults); recorded in the report's ``options["kv_weights"]``.
+        shed: the router's load shedding and queue (default
+            :class:`~kvflow.router.shedding.ShedConfig`, the live defaults);
+            recorded in ``options["shed"]``; the report's ``shed`` and
+            ``queued`` count what it did.
 
     Returns:
         The :class:`Report`.
@@ -141,7 +154,7 @@ def run_offline(
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
                        sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
                        decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms,
-                       kv=kv_config)
+                       kv=kv_config, shed=shed or ShedConfig())
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")
@@ -157,7 +170,7 @@ def run_offline(
         workers=res.worker_ids, seed=seed, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms,
         block_size=mocker.block_size, total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids),
         busy_ms=res.busy_ms, timeline=res.timeline, wall_time_s=res.wall_time_s,
-        options=_options(trace, config, res),
+        options=_options(trace, config, res), **_router_counts(res),
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
     report = report.model_copy(update={"replica_hours": hours})
@@ -193,7 +206,7 @@ def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig
         sla_itl_ms=sla_itl_ms, block_size=mocker.block_size,
         total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids), busy_ms=res.busy_ms, timeline=res.timeline,
         wall_time_s=time.perf_counter() - t_start,
-        options=_options(trace, config, res),
+        options=_options(trace, config, res), **_router_counts(res),
     )
     report = report.model_copy(update={
         "replica_hours": ev.planner.replica_hours,

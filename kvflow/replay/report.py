@@ -304,6 +304,11 @@ class Report(BaseModel):
     ``static_*`` fields give replica-hours and attainment of the same trace on
     the static-peak and static-mean pools (see :class:`PlannerSummary`).
     ``disagg`` describes a disaggregated offline replay (None otherwise).
+    Offline, ``shed`` counts requests the router shed (failed: every worker
+    busy with the queue full or off, or a deadline passed while held) and
+    ``queued`` those it held in its bounded queue before routing or
+    shedding them (the ``shed_*`` settings, :mod:`kvflow.router.shedding`);
+    None online, where the router's decisions are not observed.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -344,6 +349,8 @@ class Report(BaseModel):
     static_mean_sla_attainment: float | None = None
     planner: PlannerSummary | None = None
     disagg: DisaggSummary | None = None
+    shed: int | None = None
+    queued: int | None = None
 
 
 def latency_stats(values: Sequence[float] | np.ndarray) -> LatencyStats:
@@ -455,11 +462,14 @@ def build_report(
     timeline: Sequence[TimelineSample] = (),
     options: dict[str, Any] | None = None,
     wall_time_s: float | None = None,
+    shed: int | None = None,
+    queued: int | None = None,
 ) -> Report:
     """Summarise request records into a :class:`Report` (definitions in the module docstring).
 
     ``workers`` lists every worker id (so idle workers appear in
-    ``per_worker``); ``busy_ms`` maps worker id → time spent stepping.
+    ``per_worker``); ``busy_ms`` maps worker id → time spent stepping;
+    ``shed``/``queued`` are the router's counts (offline; None when unknown).
     """
     done = [r for r in records if r.ok]
     failed = len(records) - len(done)
@@ -513,6 +523,7 @@ def build_report(
         options=options or {}, wall_time_s=wall_time_s,
         sla_attainment=good / len(records) if records else 0.0,
         sla_attainment_ci95=_block_bootstrap([r.arrival_ms for r in records], met),
+        shed=shed, queued=queued,
     )
 
 
@@ -634,6 +645,8 @@ def render_markdown(report: Report) -> str:
         + (f"; 95% interval {r.sla_attainment_ci95[0]:.2%}–{r.sla_attainment_ci95[1]:.2%}"
            if r.sla_attainment_ci95 else "") + ")",
     ]
+    if r.shed is not None or r.queued is not None:
+        lines.append(f"- router: {r.shed or 0:,} shed, {r.queued or 0:,} queued")
     if r.replica_hours is not None:
         lines.append(f"- replica-hours: {r.replica_hours:.3f}")
     if r.wall_time_s is not None:

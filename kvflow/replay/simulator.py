@@ -1,11 +1,10 @@
 """Offline replay: a discrete-event simulation of a kvflow deployment, aggregated or disaggregated.
 
-No broker, no wall clock. Trace arrivals are routed by the real routing code
-(:func:`kvflow.router.policies.select_worker` over a
-:class:`~kvflow.router.table.RoutingTable` refreshed from each simulated
-worker's load just before every decision, as heartbeats would, and fed the
-same in-flight records a live worker publishes — request routed, taken,
-ended — through :mod:`kvflow.router.inflight`) to N
+No broker, no wall clock. Trace arrivals are routed by the live router's
+own core, :class:`~kvflow.router.core.RouterCore` (policy, load shedding,
+the bounded queue, disaggregation, in-flight accounting), fed a heartbeat
+of each simulated worker's load just before every decision and the same
+in-flight records a live worker publishes (request taken, ended), to N
 :class:`~kvflow.workers.engines.mocker_core.MockerCore` engines, each stepping
 on a simulated clock:
 
@@ -17,6 +16,14 @@ on a simulated clock:
 * events at equal times run arrivals first, then KV transfer ends, then step
   ends, then step starts (so a request that reaches an engine at the instant
   its next step begins joins that step).
+
+Load shedding and the queue (``SimConfig.shed``, the live router's
+``shed_*`` settings): a request the core sheds fails with ``shed: ...`` and
+counts in ``SimResult.router_counts["shed"]``; a request it queues waits
+for the core's tick, which runs every ``SimConfig.router_tick_ms`` of
+simulated time while requests are held (the live router ticks every
+heartbeat interval), and is routed when the tick releases it (its queueing
+shows in TTFT).
 
 Timings recorded per request (see :mod:`kvflow.replay.report`): arrival,
 first scheduled (start of the first step that admitted it), every token
@@ -67,10 +74,11 @@ workers only, the aggregated workers are the decode targets.
 Extension points:
 
 * ``kv_hook.on_kv_events(worker_id, events)`` receives each step's KV events
-  at the step's end — a KV index for a KV-aware policy plugs in there;
+  at the step's end (default, for an event-fed policy: the router core's
+  index, :meth:`~kvflow.router.core.RouterCore.on_kv_events`);
 * ``planner.on_tick(now_ms, sim)`` is called every ``planner.interval_ms``
   and may call :meth:`Simulation.add_worker` / :meth:`Simulation.drain_worker`;
-* :meth:`Simulation.dispatch` places one arrived request.
+* :meth:`Simulation.dispatch` hands one arrived request to the router core.
 """
 
 from __future__ import annotations
@@ -88,13 +96,14 @@ from typing import Protocol
 from kvflow.replay.report import RequestRecord, TimelineSample
 from kvflow.replay.synth import PrefixHasher
 from kvflow.replay.traces import Trace, TraceRequest
-from kvflow.router.disagg import DisaggConfig, place
-from kvflow.router.index import KvIndex
-from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
-from kvflow.router.policies import NoWorkerAvailable, RouteRequest, select_worker
-from kvflow.router.inflight import apply_inflight_record, expire_inflight, note_routed_request
-from kvflow.router.table import RoutingTable, apply_heartbeat
+from kvflow.router.core import Arrival, Decision, RouterCore
+from kvflow.router.disagg import DisaggConfig
+from kvflow.router.kv_policy import KvPolicyConfig
+from kvflow.router.policies import HASH_FREE_POLICIES
+from kvflow.router.shedding import ShedConfig
+from kvflow.router.table import RoutingTable
 from kvflow.schemas import (
+    DecisionOutcome,
     FinishReason,
     KvEvent,
     RequestAdmitted,
@@ -109,7 +118,6 @@ from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateReque
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 
 __all__ = [
-    "HASH_FREE_POLICIES",
     "KvEventHook",
     "PlannerHook",
     "SimConfig",
@@ -121,11 +129,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HASH_FREE_POLICIES = frozenset({"round_robin", "random", "least_loaded"})
-"""Policies that ignore ``RouteRequest.block_hashes``; the simulator skips hashing for them."""
-
 # Heap tie-break order at equal times (arrivals are merged from the sorted list before all of these).
-_ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK, _READY = -1, 0, 1, 2, 3, 4
+_ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK, _READY, _ROUTER_TICK = -1, 0, 1, 2, 3, 4, 5
 
 _ROLE_PREFIX = {WorkerRole.aggregated: "worker", WorkerRole.prefill: "prefill", WorkerRole.decode: "decode"}
 
@@ -162,7 +167,8 @@ class SimConfig:
         sample_interval_ms: simulated time between timeline samples.
             Defaults to ``10000``.
         block_hashes: fill ``RouteRequest.block_hashes`` (costly); None =
-            only for policies outside :data:`HASH_FREE_POLICIES`.
+            only for policies outside
+            :data:`~kvflow.router.policies.HASH_FREE_POLICIES`.
         prefill_workers: prefill-only workers at start (>= 0). Defaults to ``0``.
         decode_workers: decode workers at start (>= 0). Defaults to ``0``.
             Either > 0 switches on the disaggregated mode (module docstring).
@@ -174,6 +180,12 @@ class SimConfig:
             ready at once. Defaults to ``0``.
         kv: weights of the ``kv``/``approx`` cost (as the live router's
             ``kv_*`` settings). None = the policy defaults.
+        shed: load shedding and the queue (as the live router's ``shed_*``
+            settings). Defaults to :class:`~kvflow.router.shedding.ShedConfig`
+            defaults (the live defaults: reject above 95% KV use).
+        router_tick_ms: simulated ms between the router core's ticks while
+            it holds requests (queue mode). Defaults to ``1000`` (the live
+            router ticks every ``heartbeat_interval_ms``, default 1000).
     """
 
     workers: int = 8
@@ -188,10 +200,14 @@ class SimConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     worker_startup_ms: float = 0.0
     kv: KvPolicyConfig | None = None
+    shed: ShedConfig = field(default_factory=ShedConfig)
+    router_tick_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.worker_startup_ms < 0:
             raise ValueError(f"worker_startup_ms must be >= 0, got {self.worker_startup_ms}")
+        if self.router_tick_ms <= 0:
+            raise ValueError(f"router_tick_ms must be > 0, got {self.router_tick_ms}")
 
 
 @dataclass
@@ -245,6 +261,9 @@ class SimResult:
     decode tokens; ``prefill_plans`` counts the disaggregation rule's outcomes
     (:data:`kvflow.router.disagg.PlanReason`: ``remote``, ``short_prompt``,
     ``prefill_queue_full``, ``no_prefill_workers``), empty in aggregated mode.
+    ``router_counts`` are the router core's counters
+    (:data:`kvflow.router.core.COUNTERS`: ``routed``, ``queued``, ``shed``,
+    ``rejected``, ``released``, ``queue_timeouts``, ...).
     """
 
     records: list[RequestRecord]
@@ -261,6 +280,7 @@ class SimResult:
     prefill_tokens: dict[str, int] = field(default_factory=dict)
     decode_tokens: dict[str, int] = field(default_factory=dict)
     prefill_plans: dict[str, int] = field(default_factory=dict)
+    router_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def disaggregated(self) -> bool:
@@ -294,11 +314,7 @@ class Simulation:
     def __init__(self, trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,
                  kv_hook: KvEventHook | None = None, planner: PlannerHook | None = None,
                  progress: bool = False) -> None:
-        from kvflow.router.policies import POLICIES
-
         self.config = config = config or SimConfig()
-        if config.policy not in POLICIES:
-            raise KeyError(f"unknown routing policy {config.policy!r}; known: {sorted(POLICIES)}")
         if min(config.workers, config.prefill_workers, config.decode_workers) < 0:
             raise ValueError("worker counts must be >= 0")
         if config.workers + config.decode_workers < 1:
@@ -312,12 +328,12 @@ class Simulation:
         self.kv_hook = kv_hook
         self.planner = planner
         self.progress = progress
-        self.table = RoutingTable(kv_config=config.kv)
-        if kv_hook is None and config.policy in EVENT_POLICIES:
-            # KV-event policies read the index the workers' events build, as in the live router.
-            index = KvIndex(self.mocker_config.block_size)
-            self.table.kv_index = index
-            self.kv_hook = index
+        # KV-event policies read the index the workers' events build, as in the live router
+        # (unless kv_hook takes the events instead).
+        self.core = RouterCore(config.policy, kv=config.kv, shed=config.shed, disagg=config.disagg,
+                               router_id="sim", block_size=self.mocker_config.block_size if kv_hook is None else None)
+        if kv_hook is None and self.core.uses_events:
+            self.kv_hook = self.core
         self.workers: dict[str, SimWorker] = {}
         self.now_ms = 0.0
         need = config.block_hashes
@@ -337,12 +353,18 @@ class Simulation:
         self._prefilling: dict[str, _Handoff] = {}  # on a prefill worker's core
         self._transferring: dict[str, _Handoff] = {}  # KV in flight to the decode worker
         self._plans: Counter[str] = Counter()
+        self._router_tick_due = False  # a _ROUTER_TICK is on the heap
         for _ in range(config.workers):
             self.add_worker(startup_ms=0.0)
         for _ in range(config.prefill_workers):
             self.add_worker(WorkerRole.prefill, startup_ms=0.0)
         for _ in range(config.decode_workers):
             self.add_worker(WorkerRole.decode, startup_ms=0.0)
+
+    @property
+    def table(self) -> RoutingTable:
+        """The router core's routing table."""
+        return self.core.table
 
     # ---- topology (planner / disaggregation hooks use these) ------------
 
@@ -384,7 +406,7 @@ class Simulation:
         if w.ready_ms > self.now_ms:
             return
         s = w.core.stats(w.pending)
-        apply_heartbeat(self.table, WorkerHeartbeat(
+        self.core.on_heartbeat(WorkerHeartbeat(
             worker_id=w.worker_id, role=w.role, status=WorkerStatus.draining if w.draining else WorkerStatus.serving,
             model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,
             kv_used_blocks=s.used_blocks, queue_topic="sim", queue_partition=0, active_requests=s.active_requests,
@@ -394,7 +416,7 @@ class Simulation:
     def _admitted(self, w: SimWorker, request: GenerateRequest, prefill_tokens: int) -> None:
         """``w`` took ``request`` (its :class:`RequestAdmitted`, folded at once)."""
         w.held.add(request.request_id)
-        apply_inflight_record(self.table, RequestAdmitted(
+        self.core.on_request_admitted(RequestAdmitted(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request.request_id,
             prompt_tokens=len(request.prompt_token_ids), prefill_tokens=max(0, prefill_tokens),
             ts_ms=int(self.now_ms)))
@@ -403,7 +425,7 @@ class Simulation:
     def _finished(self, w: SimWorker, request_id: str) -> None:
         """``request_id`` ended on ``w`` (its :class:`RequestFinished`, folded at once)."""
         w.held.discard(request_id)
-        apply_inflight_record(self.table, RequestFinished(
+        self.core.on_request_finished(RequestFinished(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request_id,
             ts_ms=int(self.now_ms)))
         w.lifecycle_seq += 1
@@ -420,61 +442,68 @@ class Simulation:
         return tuple(compute_block_hashes(tokens, self.mocker_config.block_size))
 
     def dispatch(self, req: TraceRequest) -> None:
-        """Route one arrived request and queue it on the chosen worker (at ``now_ms``).
+        """Hand one arrived request to the router core at ``now_ms`` and carry out its decision.
 
-        Aggregated: :func:`~kvflow.router.policies.select_worker`. With
-        prefill or decode workers: :func:`kvflow.router.disagg.place`, then
-        the local or remote path of the module docstring. Failures (no
-        worker, engine rejection) are recorded on the request.
+        Every worker's heartbeat is refreshed first. Routed: the local or
+        remote path of the module docstring. Queued: held until a router
+        tick releases it. Shed or rejected (no worker), or refused by the
+        engine: recorded as the request's error.
         """
-        rec = self._records[req.request_id]
         for w in self.workers.values():
             self._heartbeat(w)
-        expire_inflight(self.table, int(self.now_ms))
         tokens = req.prompt_token_ids()
-        route = RouteRequest(request_id=req.request_id, model=self.config.model, isl=req.isl,
-                             block_hashes=self._block_hashes(req, tokens) if self.need_block_hashes else (),
-                             now_ms=int(self.now_ms))
-        if self._disagg:
-            self._dispatch_disagg(req, rec, route, tokens)
-            return
-        try:
-            decision = select_worker(self.config.policy, route, self.table)
-        except NoWorkerAvailable as exc:
-            self._fail(rec, str(exc))
-            return
-        w = self.workers[decision.worker_id]
-        uncached = req.isl - decision.overlap_blocks * w.core.config.block_size
-        note_routed_request(self.table, w.worker_id, req.request_id, prompt_tokens=req.isl,
-                            prefill_tokens=uncached, now_ms=int(self.now_ms))
-        rec.worker_id = w.worker_id
-        self._enqueue(w, rec, GenerateRequest(req.request_id, tokens,
-                                              SamplingParams(max_tokens=req.osl, ignore_eos=True)),
-                      prefill_tokens=uncached)
+        hashes = self._block_hashes(req, tokens) if self.need_block_hashes else ()
+        arrival = Arrival(req.request_id, self.config.model, req.isl, block_hashes=hashes, payload=(req, tokens))
+        self._carry_out(self.core.route(arrival, int(self.now_ms)))
 
-    def _dispatch_disagg(self, req: TraceRequest, rec: RequestRecord, route: RouteRequest,
-                         tokens: list[int]) -> None:
-        """Place with the live rule; local → decode worker, remote → prefill worker (max_tokens 1)."""
-        try:
-            placement = place(self.config.policy, route, self.table, self.config.disagg)
-        except NoWorkerAvailable as exc:
-            self._fail(rec, str(exc))
+    def _router_tick(self) -> None:
+        """The router core's tick: release or drop held requests; tick again while some are held."""
+        self._router_tick_due = False
+        for w in self.workers.values():
+            self._heartbeat(w)
+        for effect in self.core.tick(int(self.now_ms)):
+            if isinstance(effect, Decision):  # the other effects need a broker, or events that can be lost
+                self._carry_out(effect)
+        self._schedule_router_tick()
+
+    def _schedule_router_tick(self) -> None:
+        """Put the router's next periodic tick (a multiple of ``router_tick_ms``) on the heap
+        while the core holds requests."""
+        if self._router_tick_due or not self.core.queue:
             return
-        plan, decode_id = placement.plan, placement.decision.worker_id
-        self._plans[plan.reason] += 1
+        step = self.config.router_tick_ms
+        self._router_tick_due = True
+        self._push((self.now_ms // step + 1) * step, _ROUTER_TICK, "")
+
+    def _carry_out(self, decision: Decision) -> None:
+        """Act on one decision of the router core (a new request, or a held one released or dropped)."""
+        req, tokens = decision.arrival.payload
+        rec = self._records[req.request_id]
+        outcome = decision.outcome
+        if outcome is DecisionOutcome.routed:
+            self._place(decision, req, rec, tokens)
+        elif outcome is DecisionOutcome.queued:
+            self._schedule_router_tick()
+        else:
+            self._fail(rec, f"{outcome.value}: {decision.reason}")
+
+    def _place(self, decision: Decision, req: TraceRequest, rec: RequestRecord, tokens: list[int]) -> None:
+        """A routed request: local prefill → its decode (or aggregated) worker; remote → the prefill
+        worker with ``max_tokens = 1``, then the decode worker after the KV transfer. The core
+        already counted it on those workers, as the live router does."""
+        placement = decision.placement
+        chosen, plan = placement.decision, placement.plan
+        if self._disagg:
+            self._plans[plan.reason] += 1
+        rid, decode_id = req.request_id, chosen.worker_id
         rec.worker_id = decode_id
-        request = GenerateRequest(req.request_id, tokens, SamplingParams(max_tokens=req.osl, ignore_eos=True))
-        now, rid = int(self.now_ms), req.request_id
-        if not plan.remote:  # counted as kvflow.router.disagg.forward counts it
+        request = GenerateRequest(rid, tokens, SamplingParams(max_tokens=req.osl, ignore_eos=True))
+        if not plan.remote:
             decode = self.workers[decode_id]
-            uncached = req.isl - placement.decision.overlap_blocks * decode.core.config.block_size
-            note_routed_request(self.table, decode_id, rid, prompt_tokens=req.isl, prefill_tokens=uncached,
-                                now_ms=now)
+            uncached = req.isl - chosen.overlap_blocks * decode.core.config.block_size
             self._enqueue(decode, rec, request, prefill_tokens=uncached)
             return
-        prefill_id = plan.prefill.worker_id
-        note_routed_request(self.table, prefill_id, rid, prompt_tokens=req.isl, prefill_tokens=req.isl, now_ms=now)
-        note_routed_request(self.table, decode_id, rid, prompt_tokens=req.isl, prefill_tokens=0, now_ms=now)
+        prefill_id = chosen.prefill_worker_id
         rec.prefill_worker_id = prefill_id
         self._prefilling[rid] = _Handoff(decode_id, request)
         one = GenerateRequest(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -667,6 +696,11 @@ class Simulation:
                 if kind == _READY:
                     self._heartbeat(self.workers[worker_id])
                     continue
+                if kind == _ROUTER_TICK:
+                    t0 = pc()
+                    self._router_tick()
+                    prof["routing"] += pc() - t0
+                    continue
                 if kind == _TRANSFER_END:  # the key is a request id here
                     t0 = pc()
                     self._end_transfer(worker_id)
@@ -701,6 +735,7 @@ class Simulation:
             prefill_tokens={w.worker_id: w.core.prefill_tokens_total for w in ws},
             decode_tokens={w.worker_id: w.core.decode_tokens_total for w in ws},
             prefill_plans=dict(self._plans),
+            router_counts=dict(self.core.counters),
         )
 
 

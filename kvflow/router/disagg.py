@@ -1,8 +1,9 @@
 """Conditional disaggregation: where a request decodes, and whether its prefill runs elsewhere.
 
 The decision is pure (no I/O, no clock), so the live router, its replicas and
-the offline simulator decide identically; :func:`forward` is the thin I/O
-glue the router calls after it.
+the offline simulator decide identically (both through
+:class:`~kvflow.router.core.RouterCore`); :func:`routed_record` builds the
+record the live router then sends.
 
 Rule (:func:`decide_prefill`), after the routing policy picked the decode
 worker over the ``decode`` pool (the ``aggregated`` pool when no decode
@@ -29,33 +30,28 @@ prefill worker is chosen by the same routing policy over the prefill pool.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvflow.router.inflight import note_routed_request
 from kvflow.router.policies import RouteRequest, select_worker
 from kvflow.router.table import RoutingTable, WorkerView
-from kvflow.schemas import InferenceRequest, RoutingDecision, WorkerRole, encode
+from kvflow.schemas import InferenceRequest, RoutingDecision, WorkerRole
 from kvflow.schemas.transfer import PrefillStage
 
 __all__ = [
     "DisaggConfig",
     "PrefillPlan",
     "Placement",
-    "Send",
     "decode_role",
     "prefill_queue_depth",
     "decide_prefill",
     "place",
-    "forward",
-    "route_and_forward",
+    "count_placement",
+    "routed_record",
 ]
 
 PlanReason = Literal["remote", "short_prompt", "prefill_queue_full", "no_prefill_workers"]
-
-Send = Callable[[str, int, bytes, bytes], Awaitable[Any]]
-"""``send(topic, partition, key, value)``: produce one record (the router's producer)."""
 
 
 @dataclass(frozen=True)
@@ -155,74 +151,62 @@ def decide_prefill(policy: str, req: RouteRequest, decision: RoutingDecision, ta
     return PrefillPlan(True, "remote", uncached, depth, prefill)
 
 
-def place(policy: str, req: RouteRequest, table: RoutingTable, config: DisaggConfig) -> Placement:
+def place(policy: str, req: RouteRequest, table: RoutingTable, config: DisaggConfig,
+          role: WorkerRole | None = None) -> Placement:
     """Pick the decode worker (decode pool, else aggregated pool), then where to prefill.
+
+    ``role``: the decode pool's role when the caller already knows it
+    (:func:`decode_role`), else it is looked up.
 
     Raises:
         kvflow.router.policies.NoWorkerAvailable: no decode or aggregated worker serves ``req.model``.
         KeyError: unknown ``policy``.
     """
-    decision = select_worker(policy, dataclasses.replace(req, role=decode_role(table, req.model)), table)
+    role = decode_role(table, req.model) if role is None else role
+    decision = select_worker(policy, req if req.role is role else dataclasses.replace(req, role=role), table)
     plan = decide_prefill(policy, req, decision, table, config)
     if plan.remote:
         decision = decision.model_copy(update={"prefill_worker_id": plan.prefill.worker_id})
     return Placement(decision, plan)
 
 
-async def forward(request: InferenceRequest, placement: Placement, table: RoutingTable, send: Send, *,
-                  now_ms: int = 0) -> None:
-    """Send ``request`` where ``placement`` says, and count it on the chosen workers
-    (:func:`~kvflow.router.inflight.note_routed_request` at ``now_ms``, epoch ms).
+def count_placement(table: RoutingTable, placement: Placement, request_id: str, isl: int, now_ms: int) -> None:
+    """Count request ``request_id``, placed by ``placement``, on its workers
+    (:func:`~kvflow.router.inflight.note_routed_request` at ``now_ms``, epoch or simulated ms).
 
-    Local prefill: to the decode worker's queue partition, with
-    ``disaggregated_params`` cleared (a client cannot inject a stage).
-    Remote: to the prefill worker's queue partition with a
-    :class:`~kvflow.schemas.transfer.PrefillStage` naming the decode worker's
-    queue partition. ``placement.decision`` (already stamped with router id
-    and time) becomes ``request.routing``.
-
-    Work counted: locally, the decode worker computes the prompt less its
-    cached overlap; remotely, the prefill worker computes the whole prompt
-    (as its admission record will say: the stage does not carry the
-    prefill pool's overlap) and the decode worker none (it imports the KV).
+    ``isl`` is the prompt length in tokens. Work counted: locally, the
+    decode worker computes the prompt less its cached overlap; remotely, the
+    prefill worker computes the whole prompt (as its admission record will
+    say: the stage does not carry the prefill pool's overlap) and the decode
+    worker none (it imports the KV).
 
     Raises:
-        KeyError: a worker of the placement is no longer in ``table``.
+        KeyError: a worker of the placement is not in ``table``.
     """
     decision = placement.decision
     decode = table.workers[decision.worker_id]
-    key = request.request_id.encode()
-    rid = request.request_id
-    isl = len(request.token_ids) if request.token_ids else 0
     if not placement.plan.remote:
-        routed = request.model_copy(update={"routing": decision, "disaggregated_params": None})
-        note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl,
+        note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl,
                             prefill_tokens=isl - decision.overlap_blocks * decode.block_size, now_ms=now_ms)
-        await send(decode.queue_topic, decode.queue_partition, key, encode(routed))
         return
-    prefill = table.workers[decision.prefill_worker_id]
+    note_routed_request(table, decision.prefill_worker_id, request_id, prompt_tokens=isl, prefill_tokens=isl,
+                        now_ms=now_ms)
+    note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
+
+
+def routed_record(request: InferenceRequest, decision: RoutingDecision, decode: WorkerView,
+                  remote: bool) -> InferenceRequest:
+    """The record a worker queue receives for ``request``: ``decision`` (stamped
+    with router id and time) as ``request.routing``.
+
+    Local prefill (``remote`` False): for the decode worker's queue, with
+    ``disaggregated_params`` cleared (a client cannot inject a stage).
+    Remote: for the prefill worker's queue, with a
+    :class:`~kvflow.schemas.transfer.PrefillStage` naming ``decode``'s queue
+    partition. One shallow copy of ``request`` (the token ids are shared).
+    """
+    if not remote:
+        return request.model_copy(update={"routing": decision, "disaggregated_params": None})
     stage = PrefillStage(decode_worker_id=decode.worker_id, decode_queue_topic=decode.queue_topic,
                          decode_queue_partition=decode.queue_partition)
-    routed = request.model_copy(update={"routing": decision, "disaggregated_params": stage.to_params()})
-    note_routed_request(table, prefill.worker_id, rid, prompt_tokens=isl, prefill_tokens=isl, now_ms=now_ms)
-    note_routed_request(table, decode.worker_id, rid, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
-    await send(prefill.queue_topic, prefill.queue_partition, key, encode(routed))
-
-
-async def route_and_forward(policy: str, request: InferenceRequest, req: RouteRequest, table: RoutingTable,
-                            config: DisaggConfig, send: Send, *, router_id: str = "",
-                            now_ms: int = 0) -> Placement:
-    """:func:`place`, stamp the decision with ``router_id``/``now_ms``, then :func:`forward`.
-
-    This is the router's whole per-request routing step for every pool
-    layout: with no prefill worker it routes exactly as before (decode or
-    aggregated worker, local prefill).
-
-    Raises:
-        kvflow.router.policies.NoWorkerAvailable: no decode or aggregated worker serves the model.
-    """
-    placement = place(policy, req, table, config)
-    placement = dataclasses.replace(
-        placement, decision=placement.decision.model_copy(update={"router_id": router_id, "decided_ms": now_ms}))
-    await forward(request, placement, table, send, now_ms=now_ms)
-    return placement
+    return request.model_copy(update={"routing": decision, "disaggregated_params": stage.to_params()})

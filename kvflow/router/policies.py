@@ -17,7 +17,7 @@ others each worker's in-flight load (and ``least_loaded`` its cost).
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -25,8 +25,8 @@ import xxhash
 from kvflow.router.table import RoutingTable, WorkerView
 from kvflow.schemas import CandidateCost, RoutingDecision, WorkerRole
 
-__all__ = ["RouteRequest", "Policy", "POLICIES", "register_policy", "select_worker", "NoWorkerAvailable",
-           "load_terms"]
+__all__ = ["RouteRequest", "Policy", "POLICIES", "HASH_FREE_POLICIES", "register_policy", "select_worker",
+           "NoWorkerAvailable", "load_terms"]
 
 
 class NoWorkerAvailable(LookupError):
@@ -36,7 +36,8 @@ class NoWorkerAvailable(LookupError):
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy may look at. ``isl`` in tokens; ``block_hashes`` are the
-    prompt's chained block hashes (empty when the policy does not need them);
+    prompt's chained block hashes, any sequence of u64 ints (empty when the
+    policy does not need them, see :data:`HASH_FREE_POLICIES`);
     ``now_ms`` is the decision time (epoch or simulated ms), passed in so
     policies never read a clock."""
 
@@ -44,7 +45,7 @@ class RouteRequest:
     model: str
     isl: int
     role: WorkerRole = WorkerRole.aggregated
-    block_hashes: tuple[int, ...] = ()
+    block_hashes: Sequence[int] = ()
     lora_name: str | None = None
     now_ms: int = 0
 
@@ -52,6 +53,9 @@ class RouteRequest:
 Policy = Callable[[RouteRequest, list[WorkerView], RoutingTable], RoutingDecision]
 
 POLICIES: dict[str, Policy] = {}
+
+HASH_FREE_POLICIES = frozenset({"round_robin", "random", "least_loaded"})
+"""Policies that never read ``RouteRequest.block_hashes``: the router skips hashing the prompt for them."""
 
 
 def register_policy(name: str) -> Callable[[Policy], Policy]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -103,6 +103,19 @@ class ShedConfig:
     kv_drain_s: float = 2.0
     retry_after_min_s: int = 1
     retry_after_max_s: int = 60
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "ShedConfig":
+        """The shedding settings of :class:`kvflow.settings.Settings` (``shed_kv_threshold``,
+        ``shed_prefill_token_threshold``, ``shed_mode``, ``shed_queue_capacity``,
+        ``shed_queue_order``); the other fields keep their defaults.
+
+        Raises:
+            ValueError: a value out of range.
+        """
+        return cls(kv_threshold=settings.shed_kv_threshold,
+                   prefill_token_threshold=settings.shed_prefill_token_threshold, mode=settings.shed_mode,
+                   queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_threshold <= 1.0:
@@ -296,6 +309,19 @@ class BoundedRequestQueue(Generic[T]):
         heapq.heapify(self._heap)
         expired.sort(key=lambda e: (e[0], e[1]))
         return [e[3] for e in expired]
+
+    def remove(self, matches: Callable[[T], bool]) -> list[T]:
+        """Remove and return the items for which ``matches(item)`` is true, in release order (O(len))."""
+        keep: list = []
+        gone: list = []
+        for e in self._heap:
+            (gone if matches(e[3]) else keep).append(e)
+        if not gone:
+            return []
+        self._heap = keep
+        heapq.heapify(keep)
+        gone.sort(key=lambda e: (e[0], e[1]))
+        return [e[3] for e in gone]
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -57,7 +57,7 @@ class WorkerHeartbeat(Record):
     engine: str
     tokenizer: str = "bytes"
     """Tokenizer spec (``bytes`` or a model name/path for
-    :func:`kvflow.workers.tokenizer.load_tokenizer`) that producers use to
+    :func:`kvflow.models.tokenizer.load_tokenizer`) that producers use to
     pre-tokenize this worker's requests."""
     block_size: int = Field(ge=1)
     context_length: int | None = Field(default=None, ge=1)

@@ -1,4 +1,4 @@
-"""``kvflow status``: live workers (from the workers topic) and queue depths."""
+"""``kvflow status``: live workers (the workers projection, :mod:`kvflow.streams.workers`) and queue depths."""
 
 from __future__ import annotations
 
@@ -7,41 +7,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvflow.router.table import RoutingTable, apply_heartbeat, expire_workers
-from kvflow.schemas import RecordError, WorkerHeartbeat, decode, now_ms
+from kvflow.schemas import now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import make_consumer
+from kvflow.streams.workers import read_workers
 
-__all__ = ["read_routing_table", "collect_status", "render_status"]
-
-
-async def read_routing_table(settings: Settings, catalog: Catalog, idle_ms: int = 300) -> RoutingTable:
-    """Replay the workers topic from the beginning into a fresh routing table.
-
-    Reading stops after ``idle_ms`` without new records; expired workers are dropped.
-    """
-    consumer = make_consumer(settings)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(catalog.workers.name, p) for p in range(catalog.workers.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        table = RoutingTable()
-        while True:
-            batches = await consumer.getmany(timeout_ms=idle_ms)
-            if not batches:
-                break
-            for records in batches.values():
-                for msg in records:
-                    try:
-                        apply_heartbeat(table, decode(WorkerHeartbeat, msg.value))
-                    except RecordError:
-                        continue
-        expire_workers(table, now_ms())
-        return table
-    finally:
-        await consumer.stop()
+__all__ = ["collect_status", "render_status"]
 
 
 async def _queue_depth(settings: Settings, tp: TopicPartition, group: str) -> int:
@@ -64,13 +36,13 @@ async def _queue_depth(settings: Settings, tp: TopicPartition, group: str) -> in
 async def collect_status(settings: Settings) -> list[dict[str, Any]]:
     """One dict per live worker: id, role, model, status, load, KV use and queue depth."""
     catalog = Catalog(settings.namespace)
-    table = await read_routing_table(settings, catalog)
+    views = list((await read_workers(settings, catalog)).views.values())
     rows = []
     depths = await asyncio.gather(*(
         _queue_depth(settings, TopicPartition(w.queue_topic, w.queue_partition),
                      f"{settings.namespace}.worker.{w.role.value}.{w.queue_partition}")
-        for w in table.workers.values()))
-    for w, depth in zip(table.workers.values(), depths):
+        for w in views))
+    for w, depth in zip(views, depths):
         rows.append({
             "worker_id": w.worker_id, "role": w.role.value, "model": w.model, "status": w.status.value,
             "active": w.active_requests, "waiting": w.waiting_requests,

@@ -43,14 +43,14 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["num_kv_blocks"] = num_kv_blocks
         spec = "bytes"
         if tokenizer and tokenizer != "bytes":
-            from kvflow.workers.models import resolve_model
+            from kvflow.models.resolve import resolve_model
 
             spec = str(resolve_model(tokenizer).path)
         engine_obj = make_engine("mocker", config=MockerConfig(**kw), worker_id=worker_id, model_name=model,
                                  tokenizer=spec)
         return engine_obj, model, spec
     if engine == "hf":
-        from kvflow.workers.models import resolve_model
+        from kvflow.models.resolve import resolve_model
 
         resolved = resolve_model(model)
         kw = {"block_size": block_size} if block_size else {}

@@ -478,10 +478,10 @@ class Worker:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's tokenizer wrapper (see :mod:`kvflow.workers.tokenizer`)."""
+        """The engine's tokenizer wrapper (see :mod:`kvflow.models.tokenizer`)."""
         tok = self.engine.tokenizer if isinstance(self.engine, HasTokenizer) else None
         if tok is None:
-            from kvflow.workers.tokenizer import load_tokenizer
+            from kvflow.models.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.config.tokenizer)
         return tok
@@ -525,7 +525,7 @@ class Worker:
         first output (a remote prefill reports the prefill worker's);
         ``kv_transfer`` is echoed on the final response.
         """
-        from kvflow.workers.tokenizer import IncrementalDetokenizer
+        from kvflow.models.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopChecker(request.sampling.stop)

@@ -19,12 +19,12 @@ from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
-from kvflow.streams.bridge.worker_registry import (ModelState, WorkerRegistry, assign_workers_topic, catch_up,
-                                                   follow_workers)
+from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
+from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers
 
 __all__ = ["kafka_bridge_state"]
 
@@ -71,10 +71,14 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         stack.push_async_callback(consumer.stop)
         adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast
         await assign_workers_topic(consumer, catalog)
-        seen = await catch_up(consumer, registry)
+        seen = await catch_up(consumer, registry.apply)
         applied = asyncio.Event()
-        follower = asyncio.create_task(follow_workers(consumer, registry, on_applied=applied.set),
-                                       name="kvflow-bridge-workers")
+
+        def apply(hb) -> None:
+            registry.apply(hb)
+            applied.set()  # wakes a request waiting for its model's first worker
+
+        follower = asyncio.create_task(follow_workers(consumer, apply), name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
         tokenizers = TokenizerCache()
         warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()

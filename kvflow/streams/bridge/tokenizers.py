@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
 
 __all__ = ["TokenizerCache", "encode_chat", "encode_prompt", "prewarm"]
@@ -21,22 +22,16 @@ __all__ = ["TokenizerCache", "encode_chat", "encode_prompt", "prewarm"]
 log = logging.getLogger(__name__)
 
 
-def _default_loader(spec: str) -> Any:
-    from kvflow.workers.tokenizer import load_tokenizer
-
-    return load_tokenizer(spec)
-
-
 class TokenizerCache:
     """Loads each tokenizer spec once; concurrent first requests share one load.
 
     ``loader(spec) -> tokenizer`` runs in a worker thread (default:
-    :func:`kvflow.workers.tokenizer.load_tokenizer`). A failed load is not
+    :func:`kvflow.models.tokenizer.load_tokenizer`). A failed load is not
     cached, so the next request retries it.
     """
 
     def __init__(self, loader: Callable[[str], Any] | None = None) -> None:
-        self._loader = loader or _default_loader
+        self._loader = loader or load_tokenizer
         self._loaded: dict[str, Any] = {}
         self._loading: dict[str, asyncio.Task] = {}
 

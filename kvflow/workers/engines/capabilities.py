@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvflow.schemas import KvEvent
     from kvflow.workers.engines.base import EngineOutput, GenerateRequest
     from kvflow.workers.kv.handoff import KvHandoff, KvLayout, PrefillResult
-    from kvflow.workers.tokenizer import Tokenizer
+    from kvflow.models.tokenizer import Tokenizer
 
 __all__ = ["DumpsKvEvents", "HasTokenizer", "ExposesKvLayout", "PrefillsAlone", "DecodesFromKv"]
 
@@ -43,7 +43,7 @@ class DumpsKvEvents(Protocol):
 
 @runtime_checkable
 class HasTokenizer(Protocol):
-    """An engine that carries a tokenizer wrapper (:mod:`kvflow.workers.tokenizer`).
+    """An engine that carries a tokenizer wrapper (:mod:`kvflow.models.tokenizer`).
 
     ``tokenizer`` may be None (the mocker without a tokenizer module); the
     worker then loads its configured tokenizer itself.

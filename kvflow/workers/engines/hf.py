@@ -69,14 +69,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvflow.models.resolve import resolve_model
+from kvflow.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
 from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
 from kvflow.workers.kv.transfer import TransferError
-from kvflow.workers.models import resolve_model
 from kvflow.workers.stops import StopChecker
-from kvflow.workers.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["HfEngine"]
 
@@ -270,7 +270,7 @@ class HfEngine(Engine):
 
     Args:
         config: common engine settings; ``model`` is a spec for
-            :func:`kvflow.workers.models.resolve_model`. ``device`` is
+            :func:`kvflow.models.resolve.resolve_model`. ``device`` is
             ``"cpu"`` (default) or ``"cuda"``. ``extra`` keys:
             ``dtype`` (``"float32"`` default, or ``"bfloat16"``/``"float16"``),
             ``torch_threads`` (CPU threads; default: CPUs this process may
@@ -316,7 +316,7 @@ class HfEngine(Engine):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The model's tokenizer wrapper (:mod:`kvflow.workers.tokenizer`).
+        """The model's tokenizer wrapper (:mod:`kvflow.models.tokenizer`).
 
         Raises:
             EngineError: the engine is not started.
@@ -329,7 +329,7 @@ class HfEngine(Engine):
         """Resolve and load the model and tokenizer (off the event loop), start the step loop.
 
         Raises:
-            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+            kvflow.models.resolve.ModelNotFoundError: unknown model spec.
             EngineError: the device is unavailable or the model's cache layout
                 is not supported.
         """

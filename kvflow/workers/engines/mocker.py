@@ -44,9 +44,9 @@ Sleep = Callable[[float], Awaitable[None]]
 
 
 def _load_bytes_tokenizer():
-    """The byte-level tokenizer if :mod:`kvflow.workers.tokenizer` exists, else None."""
+    """The byte-level tokenizer if :mod:`kvflow.models.tokenizer` exists, else None."""
     try:
-        module = importlib.import_module("kvflow.workers.tokenizer")
+        module = importlib.import_module("kvflow.models.tokenizer")
     except ImportError:
         return None
     return module.load_tokenizer("bytes")
@@ -65,7 +65,7 @@ class MockerEngine(Engine):
             :func:`asyncio.sleep` (wall clock).
 
     ``tokenizer`` is the byte-level tokenizer from
-    ``kvflow.workers.tokenizer.load_tokenizer("bytes")``, or None when that
+    ``kvflow.models.tokenizer.load_tokenizer("bytes")``, or None when that
     module is absent.
     """
 
@@ -93,7 +93,7 @@ class MockerEngine(Engine):
         else:
             # A real model's tokenizer: prompt lengths match the model's, and
             # output ids are folded into its vocabulary (they decode to words).
-            from kvflow.workers.tokenizer import load_tokenizer
+            from kvflow.models.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer)
             self._text_ids = range(min(self.config.vocab_size, self.tokenizer.vocab_size))

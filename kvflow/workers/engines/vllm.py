@@ -189,7 +189,7 @@ class VllmEngine(Engine):
 
     Args:
         config: common engine settings. ``model`` is a model spec resolved by
-            :func:`kvflow.workers.models.resolve_model` (the default model's
+            :func:`kvflow.models.resolve.resolve_model` (the default model's
             name or a local model directory). ``block_size`` is vLLM's block
             size and kvflow's hash block size; ``max_batch_size`` becomes
             ``max_num_seqs``; ``max_num_batched_tokens`` carries over.
@@ -227,7 +227,7 @@ class VllmEngine(Engine):
 
     def _resolve(self) -> str:
         if self._model_path is None:
-            from kvflow.workers.models import resolve_model
+            from kvflow.models.resolve import resolve_model
 
             resolved = resolve_model(self.config.model)
             self.model_name = resolved.name
@@ -239,10 +239,10 @@ class VllmEngine(Engine):
         """kvflow's tokenizer wrapper for the model directory (loaded on first use).
 
         Raises:
-            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+            kvflow.models.resolve.ModelNotFoundError: unknown model spec.
         """
         if self._tokenizer is None:
-            from kvflow.workers.tokenizer import load_tokenizer
+            from kvflow.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self._resolve())
         return self._tokenizer
@@ -255,7 +255,7 @@ class VllmEngine(Engine):
         Raises:
             EngineError: vLLM or pyzmq is not installed, or vLLM failed to
                 start (no supported device, out of memory, unsupported model, ...).
-            kvflow.workers.models.ModelNotFoundError: unknown model spec.
+            kvflow.models.resolve.ModelNotFoundError: unknown model spec.
         """
         if self._engine is not None:
             return

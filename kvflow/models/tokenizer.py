@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvflow.schemas import ChatMessage
-from kvflow.workers.models import resolve_model
+from kvflow.models.resolve import resolve_model
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HfTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
 
@@ -207,12 +207,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
     Args:
         spec: ``"bytes"`` for the :class:`ByteTokenizer`; otherwise a model
-            spec as accepted by :func:`kvflow.workers.models.resolve_model`.
+            spec as accepted by :func:`kvflow.models.resolve.resolve_model`.
             A model directory without tokenizer files gets a
             :class:`ByteTokenizer` named after the model.
 
     Raises:
-        kvflow.workers.models.ModelNotFoundError: unknown model spec.
+        kvflow.models.resolve.ModelNotFoundError: unknown model spec.
     """
     if spec == "bytes":
         return ByteTokenizer()

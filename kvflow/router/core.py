@@ -1,0 +1,474 @@
+"""The router's decisions, pure and synchronous: :class:`RouterCore`.
+
+One object holds what a router replica decides with — the routing table
+(workers, their exact in-flight load, the KV index) and the bounded queue
+of held requests — and is driven by inputs, each a method:
+
+==================================  ==============================================  =====================
+input                               from                                            returns
+==================================  ==============================================  =====================
+``on_heartbeat(hb)``                a :class:`~kvflow.schemas.WorkerHeartbeat`      nothing
+``on_kv_batch(batch)``              a kv-events record, decoded                     a dump request or None
+``on_kv_events(worker_id, events)`` KV events handed over in-process (no ids)       nothing
+``on_request_admitted(record)``     a :class:`~kvflow.schemas.RequestAdmitted`      nothing
+``on_request_finished(record)``     a :class:`~kvflow.schemas.RequestFinished`      nothing
+``on_request_cancelled(rid)``       a :class:`~kvflow.schemas.CancelRequest`        effects
+``route(arrival, now_ms)``          a new request                                   a :class:`Decision`
+``tick(now_ms)``                    the clock (every heartbeat interval)            effects
+==================================  ==============================================  =====================
+
+No I/O, no clock reads, no asyncio: times are passed in (epoch ms live,
+simulated ms offline). The live router (:mod:`kvflow.router.app`, Faust) and
+the offline simulator (:mod:`kvflow.replay.simulator`) are adapters around
+this one object, so what a replay measures is what runs live, load shedding
+and the queue included. Deterministic: the same inputs in the same order
+give the same decisions (policies draw any randomness from the request id).
+
+Effects are plain dataclasses that the adapter carries out: live, as records
+(a routed request on its worker's queue, an error
+:class:`~kvflow.schemas.FinalResponse`, a
+:class:`~kvflow.schemas.DecisionRecord`, a
+:class:`~kvflow.schemas.KvDumpRequest`); offline, as simulated events.
+
+* :class:`Decision` — what happened to one request: ``routed`` (send it to
+  ``target``'s queue), ``queued`` (held here), ``shed`` (answer
+  ``error``: every worker busy, the queue full, or its deadline passed
+  while held) or ``rejected`` (answer ``error``: no worker serves the
+  model). :meth:`RouterCore.route` returns one; :meth:`RouterCore.tick`
+  emits one per held request it releases or drops.
+* :class:`WorkerExpired` — a worker's heartbeats stopped for longer than its
+  TTL; it left the table, and requests routed to it will not finish.
+* :class:`KvDumpNeeded` — the KV index missed events of a worker; ask it
+  for a full dump.
+* :class:`Cancelled` — a held request was cancelled and dropped from the
+  queue; answer it ``abort``.
+
+Shedding and queueing follow :mod:`kvflow.router.shedding`: a request
+arriving while every worker is busy is answered 503 (``reject`` mode) or
+held (``queue`` mode; also while earlier requests are held, so they keep
+their order). :meth:`RouterCore.tick` releases held requests, at most one
+per serving worker per tick, since the busy test reads heartbeat figures
+that lag the requests just released; it drops those whose deadline passed
+(504) and rejects those whose model no worker serves any more (503,
+so they do not block the queue's head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from kvflow.router.disagg import DisaggConfig, Placement, count_placement, decode_role, place
+from kvflow.router.index import KvIndex
+from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
+from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
+from kvflow.router.policies import HASH_FREE_POLICIES, POLICIES, NoWorkerAvailable, RouteRequest
+from kvflow.router.shedding import BoundedRequestQueue, ShedAction, ShedConfig, ShedMode, shed
+from kvflow.router.table import RoutingTable, WorkerView, apply_heartbeat, expire_workers
+from kvflow.schemas import (
+    DecisionOutcome,
+    InferenceRequest,
+    KvEvent,
+    KvEventBatch,
+    KvWireBatch,
+    RequestAdmitted,
+    RequestFinished,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from kvflow.schemas.block_hash import BlockSizeMismatch, compute_block_hashes
+
+__all__ = [
+    "Arrival",
+    "Cancelled",
+    "Decision",
+    "Effect",
+    "ErrorReply",
+    "KvDumpNeeded",
+    "RouterCore",
+    "WorkerExpired",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request as the router sees it.
+
+    Attributes:
+        request_id: the request's id.
+        model: the model it asks for.
+        isl: prompt length, tokens.
+        token_ids: the prompt's token ids, hashed into KV blocks at the
+            chosen pool's block size when the policy reads block hashes
+            (referenced, never copied); None when unknown.
+        block_hashes: the prompt's chained block hashes when the caller
+            already has them (the simulator); they replace ``token_ids`` for
+            hashing.
+        lora_name: the adapter the request runs with (part of its block hashes).
+        created_ms: when the request was made (the decision time the
+            ``approx`` policy ages its predictions with); 0 = unknown, the
+            decision time is used.
+        deadline_ms: absolute deadline on the ``now_ms`` clock; a request
+            held past it is dropped. None = none.
+        payload: what the adapter forwards and answers (the
+            :class:`~kvflow.schemas.InferenceRequest` live, the trace request
+            offline); the core never reads it.
+    """
+
+    request_id: str
+    model: str
+    isl: int
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[int] | None = None
+    lora_name: str | None = None
+    created_ms: int = 0
+    deadline_ms: int | None = None
+    payload: Any = None
+
+    @classmethod
+    def of(cls, request: InferenceRequest) -> "Arrival":
+        """The arrival of a requests-topic record (its token ids shared, not copied)."""
+        tokens = request.token_ids
+        return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
+                   request.lora_name, request.created_ms, request.deadline_ms, request)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """The error a request is answered with: HTTP-like ``status`` (503, 504),
+    a machine-readable ``code`` (``overloaded``, ``no_workers``,
+    ``deadline_exceeded``), a human ``message`` and, for 503, ``Retry-After``
+    seconds (None: no hint)."""
+
+    status: int
+    code: str
+    message: str
+    retry_after_s: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the router did with one request (module docstring).
+
+    Attributes:
+        outcome: routed, queued, shed or rejected.
+        arrival: the request.
+        role: the pool it was decided over (``decode`` when the model has
+            decode workers, else ``aggregated``).
+        decided_ms: when (the ``now_ms`` of the call).
+        placement: routed only: the policy's decision (stamped with router
+            id and ``decided_ms``, with every candidate's cost terms) and
+            the prefill plan.
+        target: routed only: the worker whose queue receives the request
+            (the prefill worker of a remote prefill, else ``decode_worker``).
+        decode_worker: routed only: the worker that decodes it.
+        reason: queued, shed, rejected: why, in a few words.
+        error: shed and rejected: the answer the caller gets.
+        expired: workers expired (TTL) just before deciding; each is also a
+            :class:`WorkerExpired` to carry out.
+    """
+
+    outcome: DecisionOutcome
+    arrival: Arrival
+    role: WorkerRole
+    decided_ms: int
+    placement: Placement | None = None
+    target: WorkerView | None = None
+    decode_worker: WorkerView | None = None
+    reason: str | None = None
+    error: ErrorReply | None = None
+    expired: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExpired:
+    """``worker_id`` was silent longer than its TTL and left the table; the
+    requests routed to it will not finish (live: answer them ``worker_lost``)."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvDumpNeeded:
+    """The KV index missed events of ``worker_id``: ask it for a full dump."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """A held request was cancelled and left the queue (answer it ``abort``)."""
+
+    arrival: Arrival
+
+
+Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
+"""What :meth:`RouterCore.tick` and :meth:`RouterCore.on_request_cancelled` return, in order."""
+
+COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
+            "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired")
+"""The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
+includes ``queue_timeouts``, held requests dropped at their deadline), held requests
+``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
+(``kv_mismatch``), inflight records folded, and workers expired."""
+
+
+class RouterCore:
+    """A router replica's state and decisions (see the module docstring).
+
+    Args:
+        policy: routing policy name (:data:`kvflow.router.policies.POLICIES`).
+        kv: weights of the ``kv``/``approx`` cost; None = the policy defaults.
+        shed: load-shedding settings; ``mode="queue"`` creates the bounded queue.
+        disagg: conditional-disaggregation thresholds.
+        router_id: stamped on every routing decision.
+        block_size: tokens per KV block of the workers; with an event-fed
+            policy (``kv``) it creates the KV index at once (needed by
+            :meth:`on_kv_events`); None = on the first KV batch, at its size.
+
+    Attributes:
+        table: the routing table (workers, in-flight load, KV index).
+        queue: the held requests (:class:`Arrival` items), None unless ``queue`` mode.
+        counters: event counts by name (:data:`COUNTERS`); adapters may add their own keys.
+
+    Raises:
+        KeyError: unknown policy.
+    """
+
+    def __init__(self, policy: str, *, kv: KvPolicyConfig | None = None, shed: ShedConfig | None = None,
+                 disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise KeyError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}")
+        self.policy = policy
+        self.router_id = router_id
+        self.shed_config = shed or ShedConfig()
+        self.disagg_config = disagg or DisaggConfig()
+        self.table = RoutingTable(kv_config=kv)
+        self.uses_events = policy in EVENT_POLICIES
+        self.needs_hashes = policy not in HASH_FREE_POLICIES
+        if self.uses_events and block_size is not None:
+            self.table.kv_index = KvIndex(block_size)
+        cfg = self.shed_config
+        self.queue: BoundedRequestQueue[Arrival] | None = (
+            BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order) if cfg.mode is ShedMode.queue else None)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._started_ms: dict[str, int] = {}
+
+    # ---- inputs: the log ---------------------------------------------------
+
+    def on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        """Fold a heartbeat into the table (:func:`~kvflow.router.table.apply_heartbeat`).
+
+        A stopped worker, or one restarted under the same id (new
+        ``started_ms``: its KV event ids start again at 0), loses its blocks
+        in the KV index. A heartbeat older than the one held changes nothing.
+        """
+        table = self.table
+        wid = hb.worker_id
+        held = table.workers.get(wid)
+        if held is not None and hb.ts_ms < held.last_seen_ms:
+            return
+        apply_heartbeat(table, hb)
+        previous = self._started_ms.get(wid)
+        gone = wid not in table.workers
+        if gone:
+            self._started_ms.pop(wid, None)
+        else:
+            self._started_ms[wid] = hb.started_ms
+        index = table.kv_index
+        if isinstance(index, KvIndex) and (gone or (previous is not None and previous != hb.started_ms)):
+            index.remove_worker(wid)
+
+    def on_kv_batch(self, batch: KvEventBatch | KvWireBatch) -> KvDumpNeeded | None:
+        """Fold one worker's KV event batch into the index (created at its block
+        size on the first batch); returns a dump request when event ids were
+        skipped (:meth:`~kvflow.router.index.KvIndex.apply`). Ignored unless
+        the policy is event-fed.
+
+        Raises:
+            BlockSizeMismatch: the batch's block size is not the index's
+                (counted in ``kv_mismatch``; the batch is refused).
+        """
+        if not self.uses_events:
+            return None
+        index = self.table.kv_index
+        if index is None:
+            index = self.table.kv_index = KvIndex(batch.block_size)
+        try:
+            result = index.apply(batch)
+        except BlockSizeMismatch:
+            self.counters["kv_mismatch"] += 1
+            raise
+        self.counters["kv_batches"] += 1
+        if result.gap:
+            self.counters["kv_gaps"] += 1
+            return KvDumpNeeded(batch.worker_id)
+        return None
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent]) -> None:
+        """Apply KV events handed over in-process, in order, with no event ids
+        (a feed that cannot lose or repeat events: the simulator's engines).
+        Ignored unless the policy is event-fed and the index exists
+        (``block_size`` given)."""
+        index = self.table.kv_index
+        if self.uses_events and index is not None:
+            index.on_kv_events(worker_id, events)
+
+    def on_request_admitted(self, record: RequestAdmitted) -> None:
+        """A worker took a request (:func:`~kvflow.router.inflight.apply_inflight_record`)."""
+        self.counters["inflight_records"] += 1
+        apply_inflight_record(self.table, record)
+
+    def on_request_finished(self, record: RequestFinished) -> None:
+        """A request ended on a worker, whatever the outcome; it leaves the worker's load at once."""
+        self.counters["inflight_records"] += 1
+        apply_inflight_record(self.table, record)
+
+    def on_request_cancelled(self, request_id: str) -> list[Effect]:
+        """A cancel record: drop the request if it is held here (a :class:`Cancelled`
+        effect); a request already routed is the worker's to abort."""
+        queue = self.queue
+        if not queue:
+            return []
+        gone = queue.remove(lambda a: a.request_id == request_id)
+        self.counters["queue_cancelled"] += len(gone)
+        return [Cancelled(a) for a in gone]
+
+    # ---- decisions -----------------------------------------------------------
+
+    def route(self, arrival: Arrival, now_ms: int) -> Decision:
+        """Decide what to do with a new request at ``now_ms``.
+
+        Workers past their TTL are expired first (:attr:`Decision.expired`).
+        Then, over the serving workers of the model's decode pool (else its
+        aggregated pool): none → ``rejected``; all busy → ``shed``
+        (``reject`` mode, or the queue full) or ``queued``; earlier
+        requests held → ``queued``; otherwise the policy picks among the
+        workers that are not busy, the disaggregation rule decides where the
+        prompt is prefilled, and the request is counted on its workers →
+        ``routed``.
+        """
+        expired = self._expire(now_ms)
+        table = self.table
+        role = decode_role(table, arrival.model)
+        candidates = table.candidates(arrival.model, role)
+        queue = self.queue
+        verdict = shed(candidates, self.shed_config, queued=len(queue) if queue is not None else 0)
+        action = verdict.action
+        if action is ShedAction.route or not candidates:
+            return self._dispatch(arrival, role, candidates, verdict.candidates, now_ms, expired)
+        reason = f"all workers are busy ({verdict.reason})"
+        if action is ShedAction.queue:  # shed() queues only while the queue has room
+            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms)
+            self.counters["queued"] += 1
+            return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired)
+        self.counters["shed"] += 1
+        return Decision(DecisionOutcome.shed, arrival, role, now_ms, reason=reason, expired=expired,
+                        error=ErrorReply(503, "overloaded", reason, verdict.retry_after_s))
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Periodic work at ``now_ms``, as effects in order: workers past their
+        TTL expire (:class:`WorkerExpired`); workers whose KV events the index
+        missed are asked for a dump (:class:`KvDumpNeeded`, each tick until it
+        comes); held requests past their deadline are shed (504), and the
+        others are released while some worker is not busy, at most one per
+        serving worker (each a :class:`Decision`; see the module docstring).
+        """
+        effects: list[Effect] = [WorkerExpired(w) for w in self._expire(now_ms)]
+        index = self.table.kv_index
+        if isinstance(index, KvIndex):
+            workers = self.table.workers
+            effects.extend(KvDumpNeeded(w) for w in index.workers_needing_dump() if w in workers)
+        if self.queue:
+            self._release(now_ms, effects)
+        return effects
+
+    # ---- queries for adapters -------------------------------------------------
+
+    def kv_lagging(self, worker_ids: Sequence[str] | None = None) -> list[str]:
+        """Workers whose finished requests' KV events the index has not folded yet
+        (:func:`~kvflow.router.inflight.kv_lagging`; default: every worker in the table)."""
+        return kv_lagging(self.table, self._kv_cursor, self.table.workers if worker_ids is None else worker_ids)
+
+    def waive_kv(self, worker_ids: Sequence[str]) -> None:
+        """Stop waiting for these workers' KV events until their index cursor moves
+        (:func:`~kvflow.router.inflight.waive_kv`)."""
+        for worker_id in worker_ids:
+            waive_kv(self.table, worker_id, self._kv_cursor(worker_id))
+
+    # ---- internals -------------------------------------------------------------
+
+    def _kv_cursor(self, worker_id: str) -> int | None:
+        index = self.table.kv_index
+        return index.last_event_id(worker_id) if isinstance(index, KvIndex) else None
+
+    def _expire(self, now_ms: int) -> tuple[str, ...]:
+        gone = expire_workers(self.table, now_ms)
+        if not gone:
+            return ()
+        self.counters["workers_expired"] += len(gone)
+        index = self.table.kv_index
+        for worker_id in gone:
+            self._started_ms.pop(worker_id, None)
+            if isinstance(index, KvIndex):
+                index.remove_worker(worker_id)
+        return tuple(gone)
+
+    def _dispatch(self, arrival: Arrival, role: WorkerRole, candidates: list[WorkerView],
+                  free: Sequence[WorkerView], now_ms: int, expired: tuple[str, ...] = ()) -> Decision:
+        """Place ``arrival`` among ``free`` (the candidates that are not busy) and count it."""
+        table = self.table
+        hashes: Sequence[int] = ()
+        if self.needs_hashes and candidates:
+            hashes = arrival.block_hashes
+            if hashes is None:
+                tokens = arrival.token_ids
+                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
+        req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
+                           arrival.created_ms or now_ms)
+        if len(free) != len(candidates):  # the policy must not see a busy worker
+            free_ids = {w.worker_id for w in free}
+            table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)
+        try:
+            placement = place(self.policy, req, table, self.disagg_config, role)
+        except NoWorkerAvailable as exc:
+            self.counters["rejected"] += 1
+            return Decision(DecisionOutcome.rejected, arrival, role, now_ms, reason=str(exc), expired=expired,
+                            error=ErrorReply(503, "no_workers", str(exc)))
+        finally:
+            table.busy = frozenset()
+        decision = placement.decision.model_copy(update={"router_id": self.router_id, "decided_ms": now_ms})
+        placement = Placement(decision, placement.plan)
+        count_placement(table, placement, arrival.request_id, arrival.isl, now_ms)
+        workers = table.workers
+        decode = workers[decision.worker_id]
+        target = workers[decision.prefill_worker_id] if placement.plan.remote else decode
+        self.counters["routed"] += 1
+        return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired)
+
+    def _release(self, now_ms: int, effects: list[Effect]) -> None:
+        """Shed held requests past their deadline, then release the others in queue order."""
+        queue, table = self.queue, self.table
+        for arrival in queue.pop_expired(now_ms):
+            self.counters["shed"] += 1
+            self.counters["queue_timeouts"] += 1
+            reason = "deadline passed while queued for a free worker"
+            effects.append(Decision(DecisionOutcome.shed, arrival, decode_role(table, arrival.model), now_ms,
+                                    reason=reason, error=ErrorReply(504, "deadline_exceeded", reason)))
+        released = 0
+        while queue:
+            arrival = queue.peek()
+            role = decode_role(table, arrival.model)
+            candidates = table.candidates(arrival.model, role)
+            if candidates:
+                if released >= len(candidates):
+                    break  # heartbeats lag: one per worker per tick
+                verdict = shed(candidates, self.shed_config)
+                if verdict.action is not ShedAction.route:
+                    break  # every worker still busy
+                released += 1
+                self.counters["released"] += 1
+            queue.pop()
+            effects.append(self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
+                                          now_ms))
