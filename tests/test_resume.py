@@ -105,6 +105,28 @@ async def test_reconnect_with_last_event_id_on_the_same_bridge_loses_no_token(cl
     assert get("kvflow_bridge_outcomes_total", {"endpoint": "chat", "outcome": "completed", "reason": "length"}) == 2
 
 
+async def test_a_resume_closes_the_stream_it_replaces_on_the_same_bridge(cluster):
+    """A client that reconnects before the bridge noticed it left: the old
+    stream is closed (one reader per request on a bridge), the new one goes on."""
+    settings, catalog, workers, _ = cluster
+    async with serve_bridge(settings, catalog, BRIDGE_SLOT) as (url, state):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as old, httpx.AsyncClient(base_url=url, timeout=30) as new:
+            async with old.stream("POST", "/v1/chat/completions", json=chat(400)) as resp:
+                request_id = resp.headers["x-request-id"]
+                old_events = sse_events(resp)
+                got = [await anext(old_events) for _ in range(4)]
+                async with new.stream("POST", "/v1/chat/completions", json=chat(400),
+                                      headers={"Last-Event-ID": got[-1][0]}) as resumed:
+                    rest = [event async for event in sse_events(resumed)]
+                left = [event async for event in old_events]  # what reached it before it was closed
+        assert (None, "[DONE]") not in left
+        check_stream(got + rest, await read_final(settings, catalog, BRIDGE_SLOT, request_id))
+        get = state.metrics.registry.get_sample_value
+        assert get("kvflow_bridge_requests_total", {"endpoint": "chat", "status": "499"}) == 1
+        assert get("kvflow_bridge_cancels_total", {"endpoint": "chat", "result": "sent"}) is None
+    assert [w.aborted for w in workers] == [0, 0]
+
+
 async def test_a_stream_not_resumed_within_the_grace_is_cancelled(cluster, waiter):
     settings, catalog, workers, _ = cluster
     async with serve_bridge(settings.model_copy(update={"stream_resume_grace_s": 0.5}), catalog,

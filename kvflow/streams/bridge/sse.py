@@ -11,6 +11,7 @@ and drops the events a resumed client already has.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -153,12 +154,21 @@ class EventStreamResponse(StreamingResponse):
         self._closed = False
 
     def close(self) -> None:
-        """End the stream now (the client sees the connection close)."""
+        """End the stream now: the client sees its body end without ``[DONE]``."""
         self._closed = True
         if self._scope is not None:
             self._scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"start": False, "end": False}
+
+        async def tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
                 self._scope = tg.cancel_scope
@@ -166,12 +176,15 @@ class EventStreamResponse(StreamingResponse):
                     tg.cancel_scope.cancel()
 
                 async def stream_then_stop() -> None:
-                    await self.stream_response(send)
+                    await self.stream_response(tracked)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream_then_stop)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
+            if self._closed and sent["start"] and not sent["end"]:
+                with contextlib.suppress(Exception):  # the client may be gone as well
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()
