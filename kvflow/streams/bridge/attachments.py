@@ -95,3 +95,10 @@ class Attachments:
     def pending_cancels(self) -> int:
         """Cancels waiting for their grace to pass."""
         return len(self._cancels)
+
+    def drop_pending(self) -> None:
+        """Forget the cancels waiting for their grace (a bridge shutting down):
+        their requests run on and stay resumable on another bridge."""
+        for task in self._cancels.values():
+            task.cancel()
+        self._cancels.clear()

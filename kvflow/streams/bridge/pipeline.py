@@ -299,7 +299,7 @@ def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, 
         await _close(stream_body, numbered, sse, recs, events)
         state.attachments.detach(attachment)
         observer.finish(STATUS_CLIENT_CLOSED)
-        if observer.final is None and not stream_error:
+        if observer.final is None and not stream_error and state.cancel is not None:
             await state.attachments.cancel_later(rid, functools.partial(
                 cancel_upstream, state.cancel, state.metrics, observer.endpoint, rid))
 
@@ -391,7 +391,8 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
         cancel = functools.partial(cancel_upstream, state.cancel, state.metrics, observer.endpoint, request_id)
         if attachment is not None:
             state.attachments.detach(attachment)
-            await state.attachments.cancel_later(request_id, cancel)
+            if state.cancel is not None:
+                await state.attachments.cancel_later(request_id, cancel)
         elif request_id:
             await cancel()
         return Response(status_code=STATUS_CLIENT_CLOSED)
