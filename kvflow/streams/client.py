@@ -21,9 +21,10 @@ that still answers) are dropped. Needs the request's ``token_ids`` (the
 bridge always sends them); a stop string spanning the migration point is
 not detected.
 
-Deadlines: a request ends by its ``deadline_ms`` (set by :meth:`new_request`
-when not given, see :mod:`kvflow.streams.deadlines`); past it the stream
-ends with a ``deadline_exceeded`` error and a cancel goes to the workers.
+Deadlines: a request ends by its ``deadline_ms`` (a request sent without
+one gets the default from the moment it is sent, see
+:mod:`kvflow.streams.deadlines`); past it the stream ends with a
+``deadline_exceeded`` error and a cancel goes to the workers.
 
 Resuming: every stream has a :class:`~kvflow.streams.follow.StreamCursor`
 (its partition, the offset of its request's first record, the deltas
@@ -317,26 +318,31 @@ class KvflowClient:
     ) -> InferenceRequest:
         """Build a request addressed back to this client (``reply_to`` filled in).
 
-        Without a ``deadline_ms`` field the request gets the default deadline
-        for its ``max_tokens`` (:func:`kvflow.streams.deadlines.default_timeout_s`).
+        Without a ``deadline_ms`` field it gets one when sent (:meth:`submit`).
         """
-        sampling = sampling or SamplingParams()
-        created = now_ms()
-        fields.setdefault("deadline_ms", deadline_ms(created, default_timeout_s(self.settings, sampling.max_tokens)))
         return InferenceRequest(
             request_id=request_id or f"req-{uuid.uuid4().hex}",
             model=model, messages=messages, prompt=prompt, token_ids=token_ids,
-            sampling=sampling, reply_to=self.reply_to, created_ms=created, **fields,
+            sampling=sampling or SamplingParams(), reply_to=self.reply_to, created_ms=now_ms(), **fields,
         )
+
+    def with_deadline(self, request: InferenceRequest) -> InferenceRequest:
+        """``request``, with the default deadline from now when it has none
+        (:func:`kvflow.streams.deadlines.default_timeout_s` of its ``max_tokens``)."""
+        if request.deadline_ms is not None:
+            return request
+        timeout_s = default_timeout_s(self.settings, request.sampling.max_tokens)
+        return request.model_copy(update={"deadline_ms": deadline_ms(now_ms(), timeout_s)})
 
     async def submit(self, request: InferenceRequest, *, key: str | None = None) -> None:
         """Produce ``request`` to the requests topic without waiting for responses.
 
         ``key`` (default: the request id) picks the requests partition;
-        requests sharing a key reach the router in the order sent.
+        requests sharing a key reach the router in the order sent. A request
+        without ``deadline_ms`` is sent with the default one (:meth:`with_deadline`).
         """
         wake(self._consumer)  # its answer will arrive on this client's slot: poll fast
-        await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
+        await self._producer.send_and_wait(self.catalog.requests.name, encode(self.with_deadline(request)),
                                            key=(key or request.request_id).encode())
 
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_cancelled, *,
@@ -374,7 +380,7 @@ class KvflowClient:
             ValueError: ``request.reply_to`` is not this client's slot.
         """
         handle = ResponseStream(request.request_id, request.reply_to.partition)
-        handle.attach(self._live(handle, request, key))
+        handle.attach(self._live(handle, self.with_deadline(request), key))
         return handle
 
     def resume(self, request: InferenceRequest, cursor: StreamCursor) -> "ResponseStream":
@@ -398,7 +404,7 @@ class KvflowClient:
         if cursor.request_id != request.request_id or cursor.partition != request.reply_to.partition:
             raise ValueError("cursor is not a cursor of this request (request id and reply_to partition)")
         handle = ResponseStream(request.request_id, cursor.partition, skip=cursor.delivered)
-        handle.attach(self._replay(handle, request, cursor))
+        handle.attach(self._replay(handle, self.with_deadline(request), cursor))
         return handle
 
     async def _live(self, handle: "ResponseStream", request: InferenceRequest,
