@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: up, worker, status, explain, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, bridge, status, explain, produce, planner, profile, replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -245,6 +245,47 @@ def worker(
                            worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
                            device=device, tokenizer=tokenizer))
+
+
+@app.command("bridge")
+def bridge_cmd(
+    listen_port: Annotated[int, typer.Option(help="HTTP port this bridge serves on.")] = 8001,
+    host: Annotated[str, typer.Option(help="Address this bridge listens on.")] = "127.0.0.1",
+    slot: Annotated[Optional[int], typer.Option(
+        min=0, help="Responses partition this bridge reads (give each replica its own); unset: random.")] = None,
+    api_keys_file: Annotated[Optional[Path], typer.Option(
+        exists=True, dir_okay=False, readable=True,
+        help="API keys, one per line (also KVFLOW_API_KEYS). [env: KVFLOW_API_KEYS_FILE]")] = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    embedded_broker: Annotated[Optional[bool], typer.Option(
+        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    verbose: bool = False,
+) -> None:
+    """Run one more OpenAI-compatible HTTP bridge in front of a running deployment.
+
+    Bridge replicas are interchangeable: a stream whose bridge died is
+    resumed on any other by sending the same request with `Last-Event-ID`.
+    SIGINT/SIGTERM stop it; its open streams stay resumable elsewhere.
+    """
+    import uvicorn
+
+    from kvflow.streams.bridge.app import build_app
+    from kvflow.supervisor import BRIDGE_KEEP_ALIVE_S
+
+    _logging(verbose)
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
+                             api_keys_file=api_keys_file)
+    try:
+        app = build_app(settings, slot=slot, ensure_topics=False)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
+    uvicorn.run(app, host=host, port=listen_port, log_level="info" if verbose else "warning", lifespan="on",
+                timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)
 
 
 @app.command()

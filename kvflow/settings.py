@@ -137,7 +137,29 @@ class Settings(BaseSettings):
     each engine output (ms; 0: a record per engine output). Defaults to 20."""
 
     request_timeout_s: float = Field(default=600.0, gt=0)
-    """How long the bridge and client wait for a request's final record. Defaults to 600."""
+    """How long the bridge and client wait for a request's next response record
+    (silence, not the whole request: that is bounded by its deadline). Defaults to 600."""
+
+    request_deadline_s: float | None = Field(default=None, gt=0, le=86400)
+    """Deadline of a request that sets none (seconds from its arrival); ``None``:
+    derived from its ``max_tokens`` (see :mod:`kvflow.streams.deadlines`:
+    ``deadline_ttft_s + max_tokens × deadline_per_token_ms``). Defaults to ``None``."""
+
+    deadline_ttft_s: float = Field(default=120.0, gt=0)
+    """Time allowed for a request's first token in its default deadline (seconds):
+    queueing behind a backlog, routing, and the prefill of a long prompt on a
+    CPU worker. Defaults to 120."""
+
+    deadline_per_token_ms: float = Field(default=200.0, ge=0)
+    """Time allowed per output token in a request's default deadline (ms): four
+    times the 50 ms ITL target ``kvflow up --itl-ms`` defaults to, so a request
+    decoding at a quarter of the SLA still finishes. Defaults to 200."""
+
+    stream_resume_grace_s: float = Field(default=5.0, ge=0)
+    """How long the bridge keeps a stream's request running after its HTTP
+    client disconnected, for the client to resume it (``Last-Event-ID``);
+    the request is cancelled after it unless a resumed stream is attached
+    (0: cancel at once, no resume after a disconnect). Defaults to 5."""
 
     max_prompt_tokens: int = Field(default=32768, ge=1)
     """Longest prompt accepted (HTTP 413 above). Defaults to 32768."""

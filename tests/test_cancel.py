@@ -57,9 +57,11 @@ async def cluster(kafka, waiter):
 
 @pytest.fixture
 async def bridge(cluster):
-    """``(url, bridge state)`` of a bridge on ``BRIDGE_SLOT`` in front of ``cluster``."""
+    """``(url, bridge state)`` of a bridge on ``BRIDGE_SLOT`` in front of ``cluster``; it cancels a
+    disconnected stream at once (no grace for a resume, see tests/test_resume.py)."""
     settings, catalog, _, _ = cluster
-    async with serve_bridge(settings, catalog, BRIDGE_SLOT) as served:
+    async with serve_bridge(settings.model_copy(update={"stream_resume_grace_s": 0}), catalog,
+                            BRIDGE_SLOT) as served:
         yield served
 
 

@@ -35,6 +35,7 @@ from kvflow.schemas.requests import (
     SamplingParams,
 )
 from kvflow.schemas.responses import (
+    DEADLINE_EXCEEDED,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -42,17 +43,19 @@ from kvflow.schemas.responses import (
     Timings,
     TokenDelta,
     Usage,
+    deadline_exceeded,
 )
 from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
-    "ChatMessage", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
+    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
-    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "decode", "decode_kv_frame",
+    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "deadline_exceeded", "decode",
+    "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",
 ]

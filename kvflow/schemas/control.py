@@ -21,11 +21,15 @@ class CancelReason(str, Enum):
 
     ``client_disconnected``: the HTTP client closed its connection before the
     final response (sent by the bridge). ``client_cancelled``: a client asked
-    explicitly (``KvflowClient.cancel``).
+    explicitly (``KvflowClient.cancel``). ``deadline_exceeded``: the
+    request's ``deadline_ms`` passed before its final response (sent by the
+    client or bridge that gave up on it); the worker ends it with a
+    ``deadline_exceeded`` error instead of ``abort``.
     """
 
     client_disconnected = "client_disconnected"
     client_cancelled = "client_cancelled"
+    deadline_exceeded = "deadline_exceeded"
 
 
 class CancelRequest(Record):

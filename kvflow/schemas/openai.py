@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
-from kvflow.schemas.requests import MAX_STOP_SEQUENCES, MAX_TOKENS_LIMIT
+from kvflow.schemas.requests import MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
 
 __all__ = [
     "MAX_STOP_CHARS",
@@ -104,6 +104,11 @@ class _SamplingBody(BaseModel):
     user: str | None = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     ignore_eos: bool = False
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """kvflow extension: seconds from arrival to the request's deadline, by
+    which it is answered (completed, or error ``deadline_exceeded``, 504);
+    also the ``X-Request-Timeout`` header (the smaller wins). None: the
+    deployment's default (:mod:`kvflow.streams.deadlines`)."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from kvflow.schemas.decisions import CandidateCost
 
 __all__ = [
     "MAX_TOKENS_LIMIT",
+    "MAX_TIMEOUT_S",
     "MAX_STOP_SEQUENCES",
     "ChatMessage",
     "SamplingParams",
@@ -27,6 +28,9 @@ MAX_TOKENS_LIMIT = 1_000_000
 
 MAX_STOP_SEQUENCES = 16
 """Most stop strings a request record may carry."""
+
+MAX_TIMEOUT_S = 86400.0
+"""Longest timeout (seconds from arrival to deadline) a caller may ask for: one day."""
 
 
 class ChatMessage(BaseModel):
@@ -105,7 +109,8 @@ class InferenceRequest(Record):
     either when the producer already tokenized (KV-aware routing needs them).
 
     Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
-    caller stops waiting; workers drop requests already past it. Higher
+    caller stops waiting: a worker ends the request then (error
+    ``deadline_exceeded``) and drops one already past it. Higher
     ``priority`` is served first where a queue orders by it.
 
     Migration: ``attempt`` counts resubmissions of the request after its

@@ -11,7 +11,11 @@ from kvflow.schemas.base import Record
 from kvflow.schemas.requests import RoutingDecision
 from kvflow.schemas.transfer import KvTransferInfo
 
-__all__ = ["FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse", "ResponseEvent"]
+__all__ = ["DEADLINE_EXCEEDED", "FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse",
+           "ResponseEvent", "deadline_exceeded"]
+
+DEADLINE_EXCEEDED = "deadline_exceeded"
+"""``ErrorInfo.code`` of a request that passed its ``deadline_ms`` (HTTP 504)."""
 
 
 class FinishReason(str, Enum):
@@ -57,6 +61,13 @@ class ErrorInfo(BaseModel):
     status: int = 500
     retry_after_s: int | None = None
     """For 503s: seconds after which a retry may succeed (HTTP ``Retry-After``)."""
+
+
+def deadline_exceeded(message: str) -> ErrorInfo:
+    """The error of a request ended by its deadline: HTTP 504, type
+    ``timeout_error``, code :data:`DEADLINE_EXCEEDED` (not retryable as is:
+    a retry needs a later deadline)."""
+    return ErrorInfo(message=message, type="timeout_error", code=DEADLINE_EXCEEDED, status=504)
 
 
 class TokenDelta(Record):

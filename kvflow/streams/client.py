@@ -21,6 +21,17 @@ that still answers) are dropped. Needs the request's ``token_ids`` (the
 bridge always sends them); a stop string spanning the migration point is
 not detected.
 
+Deadlines: a request ends by its ``deadline_ms`` (a request sent without
+one gets the default from the moment it is sent, see
+:mod:`kvflow.streams.deadlines`); past it the stream ends with a
+``deadline_exceeded`` error and a cancel goes to the workers.
+
+Resuming: every stream has a :class:`~kvflow.streams.follow.StreamCursor`
+(its partition, the offset of its request's first record, the deltas
+delivered); :meth:`KvflowClient.resume` replays the request's records from
+the responses topic and continues live from there, on any client
+(:mod:`kvflow.streams.resume`).
+
 The responses reader is supervised: a reader that fails, or that makes no
 progress for ``STALL_S`` while its partition holds unread records, is
 replaced by a new consumer positioned at the first record not yet delivered,
@@ -65,15 +76,20 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.deadlines import deadline_ms, default_timeout_s
 from kvflow.streams.fetch_wait import produced, wake
+from kvflow.streams.follow import MIGRATABLE, Emit, Follower, Resubmit, StreamCursor
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.resume import StreamNotFound, Tick, read_request_records
 
-__all__ = ["KvflowClient", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE"]
-
-MIGRATABLE = frozenset({"worker_lost", "worker_stopped"})
-"""Error codes of a final record after which a request is resubmitted elsewhere."""
+__all__ = ["KvflowClient", "ResponseStream", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE",
+           "StreamCursor", "StreamNotFound", "CANCEL_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
+
+CANCEL_TIMEOUT_S = 5.0
+"""Longest a stream past its deadline waits for the broker to take its cancel
+record before answering anyway (the worker also stops at the deadline)."""
 
 STALL_S = 10.0
 """A responses reader with unread records on its partition and no record
@@ -98,7 +114,61 @@ class ReaderHealth:
 
 
 class RequestTimeout(TimeoutError):
-    """No final response arrived within the client's timeout."""
+    """No response record arrived within the client's timeout."""
+
+
+class ResponseStream:
+    """The response records of one request, as an async iterator
+    (:meth:`KvflowClient.stream`, :meth:`KvflowClient.resume`).
+
+    Yields :class:`TokenDelta` records (indices from 0, across migrations)
+    then one :class:`FinalResponse`. :attr:`cursor` is where the stream
+    stands (None until the request's first record arrived); hand it to
+    :meth:`KvflowClient.resume` to go on elsewhere. ``aclose`` stops it.
+    """
+
+    def __init__(self, request_id: str, partition: int, *, skip: int = 0) -> None:
+        self.request_id = request_id
+        self.partition = partition
+        self.first_offset: int | None = None
+        self.delivered = skip
+        self._skip = skip
+        self._gen: AsyncIterator[TokenDelta | FinalResponse] | None = None
+
+    def attach(self, gen: AsyncIterator[TokenDelta | FinalResponse]) -> None:
+        """Set the generator of the records (done by :class:`KvflowClient`)."""
+        self._gen = gen
+
+    def seen(self, offset: int) -> None:
+        """A record of the request at ``offset`` was read (the first one fixes the cursor)."""
+        if self.first_offset is None:
+            self.first_offset = offset
+
+    @property
+    def cursor(self) -> StreamCursor | None:
+        """Where the stream stands: its partition, the offset of its first
+        record and the deltas delivered (None before the first record)."""
+        if self.first_offset is None:
+            return None
+        return StreamCursor(self.request_id, self.partition, self.first_offset, self.delivered)
+
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> TokenDelta | FinalResponse:
+        assert self._gen is not None, "ResponseStream used before attach"
+        while True:
+            event = await self._gen.__anext__()
+            if isinstance(event, TokenDelta):
+                if event.index < self._skip:
+                    continue  # delivered before the resume
+                self.delivered = event.index + 1
+            return event
+
+    async def aclose(self) -> None:
+        """Stop reading (the request goes on; see :meth:`KvflowClient.cancel`)."""
+        if self._gen is not None:
+            await self._gen.aclose()
 
 
 class KvflowClient:
@@ -114,6 +184,7 @@ class KvflowClient:
     def __init__(self, settings: Settings, catalog: Catalog | None = None, slot: int | None = None,
                  timeout_s: float | None = None, *, name: str = "client") -> None:
         self.settings = settings
+        self.name = name
         self.catalog = catalog or Catalog(settings.namespace)
         self.slot = random.randrange(self.catalog.responses.partitions) if slot is None else slot
         self.timeout_s = timeout_s or settings.request_timeout_s
@@ -127,6 +198,7 @@ class KvflowClient:
         self._progress = time.monotonic()  # last delivery, or last fetch that found the slot read to its end
         self.reader_restarts = 0
         self.migrations = 0  # requests resubmitted after their worker was lost
+        self.deadlines = 0  # streams ended by their request's deadline
 
     @property
     def reply_to(self) -> ReplyTo:
@@ -231,7 +303,7 @@ class KvflowClient:
                     key = msg.key.decode("utf-8", "replace") if msg.key else ""
                     queue = self._pending.get(key)
                     if queue is not None and event.request_id == key:
-                        queue.put_nowait(event)
+                        queue.put_nowait((msg.offset, event))
 
     def new_request(
         self,
@@ -244,21 +316,33 @@ class KvflowClient:
         request_id: str | None = None,
         **fields: Any,
     ) -> InferenceRequest:
-        """Build a request addressed back to this client (``reply_to`` filled in)."""
+        """Build a request addressed back to this client (``reply_to`` filled in).
+
+        Without a ``deadline_ms`` field it gets one when sent (:meth:`submit`).
+        """
         return InferenceRequest(
             request_id=request_id or f"req-{uuid.uuid4().hex}",
             model=model, messages=messages, prompt=prompt, token_ids=token_ids,
             sampling=sampling or SamplingParams(), reply_to=self.reply_to, created_ms=now_ms(), **fields,
         )
 
+    def with_deadline(self, request: InferenceRequest) -> InferenceRequest:
+        """``request``, with the default deadline from now when it has none
+        (:func:`kvflow.streams.deadlines.default_timeout_s` of its ``max_tokens``)."""
+        if request.deadline_ms is not None:
+            return request
+        timeout_s = default_timeout_s(self.settings, request.sampling.max_tokens)
+        return request.model_copy(update={"deadline_ms": deadline_ms(now_ms(), timeout_s)})
+
     async def submit(self, request: InferenceRequest, *, key: str | None = None) -> None:
         """Produce ``request`` to the requests topic without waiting for responses.
 
         ``key`` (default: the request id) picks the requests partition;
-        requests sharing a key reach the router in the order sent.
+        requests sharing a key reach the router in the order sent. A request
+        without ``deadline_ms`` is sent with the default one (:meth:`with_deadline`).
         """
         wake(self._consumer)  # its answer will arrive on this client's slot: poll fast
-        await self._producer.send_and_wait(self.catalog.requests.name, encode(request),
+        await self._producer.send_and_wait(self.catalog.requests.name, encode(self.with_deadline(request)),
                                            key=(key or request.request_id).encode())
         produced(self.catalog.requests.name)  # a router in this process may be parked in a long poll
 
@@ -268,98 +352,163 @@ class KvflowClient:
         on the cancels topic, waiting for the broker's ack).
 
         The worker holding the request frees its KV blocks and sends a final
-        response with ``finish_reason`` ``abort``, so a :meth:`stream` of the
-        request still ends with a :class:`FinalResponse`. Cancelling an unknown
-        or finished request changes nothing. ``requested_by`` defaults to
-        ``client:<slot>``.
+        response with ``finish_reason`` ``abort`` (error ``deadline_exceeded``
+        for that ``reason``), so a :meth:`stream` of the request still ends
+        with a :class:`FinalResponse`. Cancelling an unknown or finished
+        request changes nothing. ``requested_by`` defaults to ``<name>:<slot>``.
 
         Raises:
             pydantic.ValidationError: ``request_id`` is empty or over 256 characters.
             aiokafka.errors.KafkaError: the broker did not take the record.
         """
         record = CancelRequest(request_id=request_id, reason=reason, ts_ms=now_ms(),
-                               requested_by=requested_by or f"client:{self.slot}")
+                               requested_by=requested_by or f"{self.name}:{self.slot}")
         await self._producer.send_and_wait(self.catalog.cancels.name, encode(record), key=request_id.encode())
 
-    async def stream(self, request: InferenceRequest, *, key: str | None = None,
-                     ) -> AsyncIterator[TokenDelta | FinalResponse]:
-        """Send ``request`` (partition ``key`` as in :meth:`submit`) and yield its
+    def stream(self, request: InferenceRequest, *, key: str | None = None) -> "ResponseStream":
+        """Send ``request`` (partition ``key`` as in :meth:`submit`) and iterate its
         :class:`TokenDelta` records, then its :class:`FinalResponse`; a request
         whose worker is lost continues on another (see the module doc).
 
-        Raises:
+        The request ends by its ``deadline_ms`` at the latest: past it the
+        stream stops waiting, publishes a cancel (reason
+        ``deadline_exceeded``) and ends with a final response of error
+        ``deadline_exceeded`` carrying the output delivered so far.
+        :attr:`ResponseStream.cursor` says where the stream stands, for :meth:`resume`.
+
+        Raises (while iterating):
             RequestTimeout: nothing arrived for ``timeout_s``.
             ValueError: ``request.reply_to`` is not this client's slot.
         """
+        handle = ResponseStream(request.request_id, request.reply_to.partition)
+        handle.attach(self._live(handle, self.with_deadline(request), key))
+        return handle
+
+    def resume(self, request: InferenceRequest, cursor: StreamCursor) -> "ResponseStream":
+        """Go on with the stream of ``request`` from ``cursor`` (a
+        :attr:`ResponseStream.cursor` of an earlier stream of it, from this or
+        any other client): its records are replayed from the responses topic,
+        the ``cursor.delivered`` deltas already delivered are skipped, and the
+        stream continues live, with the same delta indices and final record
+        as the uninterrupted stream. Nothing is sent unless the deadline passes.
+
+        A resumed stream does not resubmit a request whose worker was lost: a
+        ``worker_lost``/``worker_stopped`` final is followed by the next
+        attempt's records when the stream's earlier reader resubmitted it, and
+        otherwise ends the stream (a retryable error).
+
+        Raises (while iterating):
+            StreamNotFound: the cursor points at no record of the request.
+            RequestTimeout: nothing arrived for ``timeout_s`` once caught up.
+            ValueError: ``cursor`` is not a cursor of ``request``.
+        """
+        if cursor.request_id != request.request_id or cursor.partition != request.reply_to.partition:
+            raise ValueError("cursor is not a cursor of this request (request id and reply_to partition)")
+        handle = ResponseStream(request.request_id, cursor.partition, skip=cursor.delivered)
+        handle.attach(self._replay(handle, self.with_deadline(request), cursor))
+        return handle
+
+    async def _live(self, handle: "ResponseStream", request: InferenceRequest,
+                    key: str | None) -> AsyncIterator[TokenDelta | FinalResponse]:
         if request.reply_to != self.reply_to:
             raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request.request_id] = queue
-        current = request
-        delivered_ids: list[int] = []  # output ids yielded so far, all attempts
-        delivered_text: list[str] = []
-        prior = 0  # of those, the ones produced before the current attempt
-        index = 0
+        follower = Follower(request, self.settings.max_migrations)
         try:
             await self.submit(request, key=key)
             while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), self.timeout_s)
-                except asyncio.TimeoutError:
-                    raise RequestTimeout(f"no response to {request.request_id} within {self.timeout_s} s") from None
-                if event.attempt != current.attempt:
-                    continue  # an earlier attempt's worker still answering
-                if isinstance(event, TokenDelta):
-                    delivered_ids.extend(event.token_ids)
-                    delivered_text.append(event.text)
-                    if event.index != index:
-                        event = event.model_copy(update={"index": index})
-                    index += 1
-                    yield event
-                    continue
-                nxt = self._continuation(request, current, event, delivered_ids)
-                if nxt is not None:
+                item = await self._next_item(queue, request)
+                if item is None:
+                    yield await self._expired(follower)
+                    return
+                offset, event = item
+                handle.seen(offset)
+                step = follower.feed(event)
+                if isinstance(step, Resubmit):
                     self.migrations += 1
                     log.warning("request %s: %s; resubmitting (attempt %d) after %d output tokens",
-                                request.request_id, event.error.code, nxt.attempt, len(delivered_ids))
-                    current, prior = nxt, len(delivered_ids)
-                    await self.submit(nxt, key=key)
-                    continue
-                if current.attempt and event.error is None:
-                    event = self._merged_final(request, event, delivered_ids[:prior], "".join(delivered_text))
-                yield event
-                return
+                                request.request_id, event.error.code, step.request.attempt,
+                                len(follower.delivered_ids))
+                    await self.submit(step.request, key=key)
+                elif step is not None:
+                    yield step.event
+                    if isinstance(step.event, FinalResponse):
+                        return
         finally:
             # The generator may be closed late (an abandoned ``async for``);
             # never drop a newer stream that reused the request id.
             if self._pending.get(request.request_id) is queue:
                 del self._pending[request.request_id]
 
-    def _continuation(self, original: InferenceRequest, current: InferenceRequest, final: FinalResponse,
-                      delivered: list[int]) -> InferenceRequest | None:
-        """The resubmission of ``original`` after ``final`` (None: pass ``final`` on)."""
-        if (final.error is None or final.error.code not in MIGRATABLE or original.token_ids is None
-                or current.attempt >= self.settings.max_migrations):
-            return None
-        left = original.sampling.max_tokens - len(delivered)
-        if left <= 0:
-            return None
-        return original.model_copy(update={
-            "token_ids": [*original.token_ids, *delivered], "attempt": current.attempt + 1,
-            "resumed_tokens": original.resumed_tokens + len(delivered),
-            "sampling": original.sampling.model_copy(update={"max_tokens": left}), "routing": None,
-        })
+    async def _next_item(self, queue: asyncio.Queue, request: InferenceRequest) -> tuple[int, Any] | None:
+        """The next ``(offset, record)`` of the request; None once its deadline passed.
 
-    @staticmethod
-    def _merged_final(original: InferenceRequest, final: FinalResponse, prior_ids: list[int],
-                      text: str) -> FinalResponse:
-        """The final record of a migrated request as one uninterrupted request's:
-        ``prior_ids`` (output of the earlier attempts) then the final's ids,
-        the whole ``text``, the original prompt length."""
-        usage = final.usage.model_copy(update={
-            "prompt_tokens": len(original.token_ids or ()),
-            "completion_tokens": len(prior_ids) + final.usage.completion_tokens})
-        return final.model_copy(update={"token_ids": [*prior_ids, *final.token_ids], "text": text, "usage": usage})
+        Raises:
+            RequestTimeout: nothing arrived for ``timeout_s``.
+        """
+        if not queue.empty():
+            return queue.get_nowait()
+        wait_s, deadline = self.timeout_s, False
+        if request.deadline_ms is not None:
+            left_s = (request.deadline_ms - now_ms()) / 1000
+            if left_s <= wait_s:
+                wait_s, deadline = max(0.0, left_s), True
+        try:
+            return await asyncio.wait_for(queue.get(), wait_s)
+        except asyncio.TimeoutError:
+            if deadline:
+                return None
+            raise RequestTimeout(f"no response to {request.request_id} within {self.timeout_s} s") from None
+
+    async def _expired(self, follower: Follower) -> FinalResponse:
+        """Give up on a request past its deadline: publish its cancel (reason
+        ``deadline_exceeded``; a failure is logged, the worker stops at the
+        deadline on its own) and return its ``deadline_exceeded`` final."""
+        request = follower.request
+        self.deadlines += 1
+        try:
+            await asyncio.wait_for(self.cancel(request.request_id, CancelReason.deadline_exceeded), CANCEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the answer must not wait on the broker
+            log.warning("could not publish the deadline cancel of %s: %r", request.request_id, exc)
+        late_ms = now_ms() - (request.deadline_ms or 0)
+        return follower.deadline_final(f"Request {request.request_id} did not finish by its deadline "
+                                       f"({late_ms} ms ago).")
+
+    async def _replay(self, handle: "ResponseStream", request: InferenceRequest,
+                      cursor: StreamCursor) -> AsyncIterator[TokenDelta | FinalResponse]:
+        follower = Follower(request, self.settings.max_migrations, migrate=False)
+        caught_up, last = False, time.monotonic()
+        records = read_request_records(self.settings, self.catalog, cursor)
+        async with contextlib.aclosing(records):
+            async for item in records:
+                if isinstance(item, Tick):
+                    caught_up = caught_up or item.caught_up
+                    if not caught_up:
+                        continue
+                    held = follower.release()
+                    if held is not None:
+                        yield held  # its reader did not resubmit before the replay caught up
+                        return
+                    if request.deadline_ms is not None and now_ms() >= request.deadline_ms:
+                        yield await self._expired(follower)
+                        return
+                    if time.monotonic() - last > self.timeout_s:
+                        raise RequestTimeout(f"no response to {request.request_id} within {self.timeout_s} s")
+                    continue
+                offset, event = item
+                handle.seen(offset)
+                last = time.monotonic()
+                step = follower.feed(event)
+                if caught_up and follower.held is not None:
+                    step = Emit(follower.release())  # a live migratable final: nobody else resubmits
+                if isinstance(step, Emit):
+                    yield step.event
+                    if isinstance(step.event, FinalResponse):
+                        return
+                if caught_up and request.deadline_ms is not None and now_ms() >= request.deadline_ms:
+                    yield await self._expired(follower)
+                    return
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:
         """Send ``request`` and return its final response (deltas are skipped)."""

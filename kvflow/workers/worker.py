@@ -27,6 +27,13 @@ Malformed KV dump requests, also read whole by every worker, are skipped
 and dead-lettered by the router the same way. A malformed record on the
 worker's own queue slot is dead-lettered by the worker (it alone reads it).
 
+Deadlines: a request with a ``deadline_ms`` is ended at that time if it is
+still held (a timer aborts it in the engine, as a cancel would) and its
+final response carries the error ``deadline_exceeded`` (HTTP 504) with the
+output generated so far; a cancel record of reason ``deadline_exceeded``
+(sent by a client that gave up at the deadline) ends it the same way.
+Either is counted in ``expired``, not ``aborted``.
+
 Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
 (:mod:`kvflow.schemas.transfer`) takes the prefill or decode path of
 :mod:`kvflow.workers.disagg`; every other record is served aggregated. The
@@ -51,6 +58,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from kvflow.schemas import (
+    CancelReason,
     CancelRequest,
     ErrorInfo,
     FinalResponse,
@@ -69,6 +77,7 @@ from kvflow.schemas import (
     WorkerMetrics,
     WorkerRole,
     WorkerStatus,
+    deadline_exceeded,
     decode,
     encode,
     now_ms,
@@ -157,6 +166,7 @@ class Worker:
         self.kv_wakeup = asyncio.Event()
         self.served = 0
         self.aborted = 0  # requests ended because of a cancel record
+        self.expired = 0  # requests ended by their deadline (timer or deadline cancel)
         self.malformed_cancels = 0  # cancel records that failed validation (skipped)
         self.skipped_foreign = 0  # queue records routed to a predecessor on this slot (skipped)
         self._finish_published: set[str] = set()  # finish record sent before the final response
@@ -165,6 +175,7 @@ class Worker:
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._side_tasks: set[asyncio.Task] = set()  # deadline cancels in progress
         self._last_tokens = (time.monotonic(), 0, 0)
         self._transport: KvTransport | None = None
         self._transport_lock = asyncio.Lock()
@@ -298,7 +309,7 @@ class Worker:
                     continue
                 early = self.early_cancels.pop(request.request_id, None)
                 if early is not None:
-                    self.aborted += 1  # its cancel overtook it; _serve answers abort at once
+                    self._count_cancel(early)  # its cancel overtook it; _serve answers it at once
                 task = asyncio.create_task(self._serve(request), name=f"req-{request.request_id}")
                 self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
             if records:
@@ -343,6 +354,7 @@ class Worker:
 
     async def _serve(self, request: InferenceRequest) -> None:
         received = now_ms()
+        timer = self._deadline_timer(request)
         try:
             await self._publish_admitted(request)
             if self.is_cancelled(request.request_id):
@@ -365,12 +377,31 @@ class Worker:
             log.exception("request %s failed", request.request_id)
             await self._send(request, self._error(request, f"internal error: {exc!r}", 500, "worker_error"))
         finally:
+            if timer is not None:
+                timer.cancel()
             cancelled = self.is_cancelled(request.request_id)
             self.inflight.pop(request.request_id, None)
             self.served += 1
             if request.request_id not in self._finish_published:
                 await self._publish_finished(request, cancelled)
             self._finish_published.discard(request.request_id)
+
+    def _deadline_timer(self, request: InferenceRequest) -> asyncio.TimerHandle | None:
+        """A timer that ends ``request`` at its ``deadline_ms`` (None: it has none).
+        One already past is answered by :meth:`_generate` without the engine."""
+        if request.deadline_ms is None:
+            return None
+        record = CancelRequest(request_id=request.request_id, reason=CancelReason.deadline_exceeded,
+                               requested_by=self.config.worker_id, ts_ms=max(0, request.deadline_ms))
+        loop = asyncio.get_running_loop()
+        delay_s = max(0.0, (request.deadline_ms - now_ms()) / 1000)
+        return loop.call_later(delay_s, lambda: self._spawn(self.cancel(record)))
+
+    def _spawn(self, coro: Any) -> None:
+        # Keep a reference: the loop holds tasks weakly.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _publish_admitted(self, request: InferenceRequest) -> None:
         """Tell the routers this worker holds ``request`` (:class:`RequestAdmitted` on the
@@ -416,11 +447,15 @@ class Worker:
 
     async def answer_aborted(self, request: InferenceRequest, received_ms: int) -> None:
         """Send ``request``'s client the final ``abort`` response of a request
-        that produced no tokens here (cancelled before or right after its prefill)."""
+        that produced no tokens here (cancelled before or right after its
+        prefill); a ``deadline_exceeded`` error when its deadline ended it."""
         await self._send(request, self._aborted(request, received_ms))
 
     def _aborted(self, request: InferenceRequest, received_ms: int) -> FinalResponse:
-        return FinalResponse(request_id=request.request_id, finish_reason=FinishReason.abort,
+        expired = self._expired(request.request_id)
+        return FinalResponse(request_id=request.request_id,
+                             finish_reason=FinishReason.error if expired else FinishReason.abort,
+                             error=self._deadline_error(request) if expired else None,
                              worker_id=self.config.worker_id, routing=request.routing,
                              timings=Timings(queued_ms=received_ms, finished_ms=now_ms()))
 
@@ -451,12 +486,26 @@ class Worker:
         if item.cancel is not None:
             return False
         item.cancel = record
-        self.aborted += 1
+        self._count_cancel(record)
         log.info("aborting %s: %s by %s", rid, record.reason.value, record.requested_by)
         # A no-op if the engine has not seen the request yet; the flag set
         # above then ends it at its first output (stream_outputs) or before it starts (_serve).
         await self.engine.abort(rid)
         return True
+
+    def _count_cancel(self, record: CancelRequest) -> None:
+        if record.reason is CancelReason.deadline_exceeded:
+            self.expired += 1
+        else:
+            self.aborted += 1
+
+    def _expired(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held here and was ended by its deadline."""
+        item = self.inflight.get(request_id)
+        return item is not None and item.cancel is not None and item.cancel.reason is CancelReason.deadline_exceeded
+
+    def _deadline_error(self, request: InferenceRequest) -> ErrorInfo:
+        return deadline_exceeded(f"request {request.request_id} passed its deadline on worker {self.config.worker_id}")
 
     def _error(self, request: InferenceRequest, message: str, status: int, code: str) -> FinalResponse:
         return FinalResponse(
@@ -489,8 +538,9 @@ class Worker:
     async def _generate(self, request: InferenceRequest, received_ms: int) -> None:
         if request.deadline_ms is not None and now_ms() > request.deadline_ms:
             await disagg.release_unpulled(self, request)
-            await self._send(request, self._error(request, "deadline passed before the request started", 504,
-                                                  "deadline_exceeded"))
+            await self._send(request, FinalResponse(
+                request_id=request.request_id, finish_reason=FinishReason.error, worker_id=self.config.worker_id,
+                routing=request.routing, error=deadline_exceeded("deadline passed before the request started")))
             return
         try:
             stage = parse_stage(request.disaggregated_params)
@@ -582,12 +632,15 @@ class Worker:
                 if stopped or out.finish_reason is not None:
                     break
         await flush()
+        expired = finish is FinishReason.abort and self._expired(request.request_id)
         final = FinalResponse(
-            request_id=request.request_id, text="".join(text_parts), token_ids=output_ids, finish_reason=finish,
+            request_id=request.request_id, text="".join(text_parts), token_ids=output_ids,
+            finish_reason=FinishReason.error if expired else finish,
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=cached),
             timings=Timings(queued_ms=received_ms, started_ms=started_ms, first_token_ms=first_ms,
                             finished_ms=now_ms()),
             worker_id=self.config.worker_id, routing=request.routing, kv_transfer=kv_transfer,
+            error=self._deadline_error(request) if expired else None,
         )
         # Routers learn the worker is free before the client learns the answer: a client
         # that sends its next request on receipt is routed with this one counted as done.
@@ -712,7 +765,8 @@ class Worker:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly status dict (for logs and tests)."""
         return {"worker_id": self.config.worker_id, "status": self.status.value, "inflight": len(self.inflight),
-                "served": self.served, "aborted": self.aborted, "malformed_cancels": self.malformed_cancels,
+                "served": self.served, "aborted": self.aborted, "expired": self.expired,
+                "malformed_cancels": self.malformed_cancels,
                 "skipped_foreign": self.skipped_foreign,
                 "dead_letters": self.dlq.count}
 

@@ -58,6 +58,7 @@ def build_app(settings: Settings, catalog: Catalog | None = None, *, slot: int |
             try:
                 yield
             finally:
+                state.attachments.drop_pending()  # streams cut by the shutdown stay resumable elsewhere
                 app.state.bridge = None
 
     return _assemble(lifespan)

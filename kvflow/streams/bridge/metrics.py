@@ -18,6 +18,15 @@ scrape-time gauge of the prefill pool's queue depth from the bridge's worker
 registry. ``kvflow_bridge_cancels_total`` counts the cancel records sent for
 requests whose client disconnected before the final response
 (:mod:`kvflow.streams.bridge.disconnect`).
+
+``kvflow_bridge_outcomes_total{endpoint, outcome, reason}`` gives every
+request its one terminal outcome (:func:`outcome`): ``completed`` (reason:
+the finish reason, ``stop`` or ``length``), ``aborted`` (``cancelled`` by a
+cancel record, or ``client_disconnected``), ``deadline`` (the request's
+deadline passed ``before_first_token`` or ``after_first_token``) or
+``error`` (reason: the error code, e.g. ``worker_lost``, ``overloaded``,
+``invalid_value``). A resumed stream is a request of its own here; it adds
+no latency or length samples and publishes no ``RequestMetrics``.
 """
 
 from __future__ import annotations
@@ -34,13 +43,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvflow.schemas import FinalResponse, RequestMetrics, TokenDelta, WorkerRole, encode, now_ms
+from kvflow.schemas import (
+    DEADLINE_EXCEEDED,
+    FinalResponse,
+    FinishReason,
+    RequestMetrics,
+    TokenDelta,
+    WorkerRole,
+    encode,
+    now_ms,
+)
 from kvflow.streams.catalog import Catalog
 
 if TYPE_CHECKING:
     from kvflow.streams.bridge.worker_registry import WorkerRegistry
 
-__all__ = ["BridgeMetrics", "RequestObserver", "MetricsPublisher", "STATUS_CLIENT_CLOSED"]
+__all__ = ["BridgeMetrics", "RequestObserver", "MetricsPublisher", "STATUS_CLIENT_CLOSED", "outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +103,9 @@ class BridgeMetrics:
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.osl = Histogram("kvflow_bridge_osl_tokens", "Output sequence length.", ["model"],
                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.outcomes = Counter("kvflow_bridge_outcomes", "Terminal outcome of each inference request "
+                                "(completed, aborted, deadline, error) and its reason.",
+                                ["endpoint", "outcome", "reason"], registry=r)
         self.cancels = Counter("kvflow_bridge_cancels",
                                "Cancel records published for requests whose client left before the final "
                                "response (result: sent, failed).", ["endpoint", "result"], registry=r)
@@ -145,6 +166,24 @@ class _PrefillPoolCollector(Collector):
         yield count
 
 
+def outcome(status: int, code: str | None, final: FinalResponse | None, saw_token: bool) -> tuple[str, str]:
+    """``(outcome, reason)`` of a request answered with HTTP ``status``:
+    ``code`` is the error code of its error answer (None: none), ``final``
+    its final record (None: none arrived), ``saw_token`` whether a token
+    reached the bridge. See the module doc for the values."""
+    if status == STATUS_CLIENT_CLOSED:
+        return "aborted", "client_disconnected"
+    if code is None and final is not None and final.error is not None:
+        code = final.error.code or final.error.type
+    if code == DEADLINE_EXCEEDED:
+        return "deadline", "after_first_token" if saw_token else "before_first_token"
+    if status >= 400 or code is not None:
+        return "error", code or f"http_{status}"
+    if final is not None and final.finish_reason is FinishReason.abort:
+        return "aborted", "cancelled"
+    return "completed", final.finish_reason.value if final is not None else "stop"
+
+
 @dataclass
 class RequestObserver:
     """Timing and outcome of one HTTP inference request.
@@ -169,6 +208,9 @@ class RequestObserver:
     finished: bool = field(default=False)
     on_finish: Callable[[], None] | None = None
     """Called once when the request finishes (the bridge's in-flight count)."""
+    replay: bool = False
+    """A resumed stream: its records are replayed, so no latency, length or
+    ``RequestMetrics`` is recorded (the original request's were)."""
 
     def __post_init__(self) -> None:
         if self.started_s < 0:
@@ -178,7 +220,8 @@ class RequestObserver:
     def submitted(self, request_id: str, model: str, isl: int) -> None:
         """The request record was built: from now on a :class:`RequestMetrics` is published."""
         self.request_id, self.model, self.isl = request_id, model, isl
-        self.metrics.isl.labels(model).observe(isl)
+        if not self.replay:
+            self.metrics.isl.labels(model).observe(isl)
 
     def on_event(self, event: TokenDelta | FinalResponse) -> None:
         """Account for one response record as it arrives."""
@@ -187,6 +230,9 @@ class RequestObserver:
             return
         n = len(event.token_ids)
         if n == 0:
+            return
+        if self.replay:
+            self.first_token_s = self.first_token_s or self.clock()
             return
         now = self.clock()
         if self.first_token_s is None:
@@ -202,8 +248,9 @@ class RequestObserver:
         self.last_token_s = now
         self.osl_seen += n
 
-    def finish(self, status: int) -> None:
-        """Record the outcome (HTTP ``status``; 499 = client went away)."""
+    def finish(self, status: int, code: str | None = None) -> None:
+        """Record the outcome (HTTP ``status``; 499 = client went away;
+        ``code``: the error code of an error answer, see :func:`outcome`)."""
         if self.finished:
             return
         self.finished = True
@@ -212,9 +259,11 @@ class RequestObserver:
         now = self.clock()
         self.metrics.in_flight.labels(self.endpoint).dec()
         self.metrics.requests.labels(self.endpoint, str(status)).inc()
+        self.metrics.outcomes.labels(self.endpoint, *outcome(status, code, self.final,
+                                                             self.first_token_s is not None)).inc()
         self.metrics.duration.labels(self.endpoint).observe(now - self.started_s)
-        if not self.request_id:
-            return  # rejected before it reached the pipeline
+        if not self.request_id or self.replay:
+            return  # rejected before it reached the pipeline, or a replay
         osl = self.final.usage.completion_tokens if self.final is not None else self.osl_seen
         if status == 200:
             self.metrics.osl.labels(self.model).observe(osl)

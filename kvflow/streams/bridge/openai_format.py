@@ -40,6 +40,7 @@ from kvflow.schemas.openai import (
     UsageBody,
 )
 from kvflow.streams.bridge.errors import invalid_request, validation_error
+from kvflow.streams.deadlines import deadline_ms
 
 __all__ = [
     "ResponseMeta",
@@ -168,13 +169,14 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
 
     ``token_ids`` (shape [ISL]) is the pre-tokenized prompt; ``messages`` is
     required for chat bodies (see :func:`chat_messages`). ``deadline_ms`` is
-    ``created_ms + timeout_s`` so workers drop requests the bridge gave up on.
+    ``created_ms + timeout_s``: the request is answered by then, and workers
+    stop it there (:mod:`kvflow.streams.deadlines`).
     ``max_tokens`` overrides the body's output cap (see :func:`sampling_params`).
     """
     common: dict[str, Any] = {
         "request_id": request_id, "model": body.model, "token_ids": token_ids,
         "sampling": sampling_params(body, max_tokens), "reply_to": reply_to, "created_ms": created_ms,
-        "deadline_ms": created_ms + int(timeout_s * 1000), "priority": body.priority,
+        "deadline_ms": deadline_ms(created_ms, timeout_s), "priority": body.priority,
     }
     if isinstance(body, ChatCompletionRequest):
         if messages is None:

@@ -5,7 +5,8 @@ its size while it streams in, see :mod:`kvflow.streams.bridge.body`), so
 FastAPI cannot see their body models. :func:`install_openapi` adds them:
 each operation's ``requestBody`` refers to the JSON schema of its pydantic
 model (:mod:`kvflow.schemas.openai`), bounds included, so clients and
-schema-driven fuzzers see what the bridge accepts.
+schema-driven fuzzers see what the bridge accepts. The headers those routes
+read (the request timeout, ``Last-Event-ID``) are added as parameters.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic.json_schema import models_json_schema
 
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
-__all__ = ["REQUEST_BODIES", "ERROR_RESPONSES", "install_openapi"]
+__all__ = ["REQUEST_BODIES", "ERROR_RESPONSES", "REQUEST_HEADERS", "install_openapi"]
 
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
@@ -31,11 +32,27 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request: bad JSON, a field out of bounds, an "
                                                  "unsupported feature, or prompt plus output over the context."},
     401: {"model": ErrorResponse, "description": "Missing or unknown API key (code `invalid_api_key`)."},
-    404: {"model": ErrorResponse, "description": "No worker serves the model (code `model_not_found`)."},
+    404: {"model": ErrorResponse, "description": "No worker serves the model (code `model_not_found`), or "
+                                                 "`Last-Event-ID` names no stream (code `stream_not_found`)."},
     413: {"model": ErrorResponse, "description": "Body or prompt over the configured limit."},
     503: {"model": ErrorResponse, "description": "No live worker for the model right now; see Retry-After."},
+    504: {"model": ErrorResponse, "description": "The request's deadline passed before its answer "
+                                                 "(code `deadline_exceeded`)."},
 }
 """Error answers of the inference routes (``responses=`` of their routers)."""
+
+
+REQUEST_HEADERS: list[dict[str, Any]] = [
+    {"name": "X-Request-Timeout", "in": "header", "required": False,
+     "description": "Seconds from arrival to the request's deadline (the smaller of this and the body's "
+                    "`timeout_s` wins); default: derived from max_tokens.",
+     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}},
+    {"name": "Last-Event-ID", "in": "header", "required": False,
+     "description": "Resume a stream after this event (an SSE `id` of an earlier answer to the same body): "
+                    "nothing is sent again, the rest of the stream follows.",
+     "schema": {"type": "string"}},
+]
+"""Headers the inference routes read (``parameters`` of their operations)."""
 
 
 def install_openapi(app: FastAPI, bodies: dict[tuple[str, str], type[BaseModel]] | None = None) -> None:
@@ -60,6 +77,7 @@ def install_openapi(app: FastAPI, bodies: dict[tuple[str, str], type[BaseModel]]
         for (path, method), model in bodies.items():
             schema["paths"][path][method]["requestBody"] = {
                 "required": True, "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+            schema["paths"][path][method].setdefault("parameters", []).extend(REQUEST_HEADERS)
         app.openapi_schema = schema
         return schema
 

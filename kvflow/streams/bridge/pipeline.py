@@ -15,7 +15,18 @@ If the client disconnects before the final record (while the bridge waits
 for it, or mid-stream) the bridge stops reading the request's records,
 answers 499 in its metrics and publishes one cancel record, so the worker
 aborts the request and frees its KV blocks
-(:mod:`kvflow.streams.bridge.disconnect`).
+(:mod:`kvflow.streams.bridge.disconnect`); for a stream that had started,
+after ``Settings.stream_resume_grace_s`` unless the client resumed it.
+
+Deadlines: every request gets one (:mod:`kvflow.streams.bridge.deadline`);
+the response source ends it there with error ``deadline_exceeded`` (504, or
+an error event then ``[DONE]`` once a stream has started).
+
+Resuming: the events of a stream carry ids
+(:mod:`kvflow.streams.bridge.event_ids`); the same request sent again with a
+``Last-Event-ID`` header naming one of them is not submitted again: its
+records are replayed from the responses topic and the stream goes on after
+that event, on this bridge or any other.
 """
 
 from __future__ import annotations
@@ -31,10 +42,12 @@ from typing import Any
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import Request, Response
 
-from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, RequestKind, TokenDelta, now_ms
+from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, ReplyTo, RequestKind, TokenDelta, now_ms
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
+from kvflow.streams.bridge.attachments import Attachment
 from kvflow.streams.bridge.body import read_body
 from kvflow.streams.bridge.bounds import output_budget
+from kvflow.streams.bridge.deadline import timeout_for
 from kvflow.streams.bridge.disconnect import ClientDisconnected, cancel_upstream, unless_disconnected
 from kvflow.streams.bridge.errors import (
     BridgeError,
@@ -47,6 +60,7 @@ from kvflow.streams.bridge.errors import (
     payload_too_large,
     request_timeout,
 )
+from kvflow.streams.bridge.event_ids import EventId
 from kvflow.streams.bridge.metrics import STATUS_CLIENT_CLOSED, RequestObserver
 from kvflow.streams.bridge.openai_format import (
     ResponseMeta,
@@ -57,13 +71,13 @@ from kvflow.streams.bridge.openai_format import (
     text_completion,
     to_inference_request,
 )
-from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse
+from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse, with_ids
 from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
 from kvflow.streams.bridge.worker_registry import ModelState
-from kvflow.streams.client import RequestTimeout
+from kvflow.streams.client import RequestTimeout, StreamCursor, StreamNotFound
 
-__all__ = ["ENDPOINTS", "Prepared", "prepare", "serve"]
+__all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +85,9 @@ ENDPOINTS = {RequestKind.chat: "chat", RequestKind.completion: "completions"}
 """Endpoint label of each request kind (Prometheus ``endpoint``)."""
 
 _ID_PREFIX = {RequestKind.chat: "chatcmpl-", RequestKind.completion: "cmpl-"}
+
+LAST_EVENT_ID = "Last-Event-ID"
+"""Request header naming the last SSE event a resuming client received."""
 
 Body = ChatCompletionRequest | CompletionRequest
 Events = AsyncIterator[TokenDelta | FinalResponse]
@@ -141,13 +158,18 @@ async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: A
     return list(body.prompt), tokenizer.decode(body.prompt) if body.echo else ""
 
 
-async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) -> Prepared:
+async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
+                  resume: EventId | None = None) -> Prepared:
     """Read, validate and tokenize one HTTP request into an :class:`InferenceRequest`.
+
+    With ``resume`` (a stream resumed from that event) the record is the one
+    the request was first sent as: its id, arrival time (so its deadline)
+    and responses partition come from the event id.
 
     Raises:
         BridgeError: 400 bad body/unsupported feature/output cap over a
-            limit, 404 unknown model, 413 body or prompt too large, 503 no
-            live worker, 500 tokenizer cannot be loaded.
+            limit/bad timeout, 404 unknown model, 413 body or prompt too
+            large, 503 no live worker, 500 tokenizer cannot be loaded.
     """
     raw = await read_body(http_request, state.max_body_bytes)
     body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
@@ -165,11 +187,16 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind) 
         raise invalid_request("The prompt is empty.", param="prompt")
     max_tokens = output_budget(body, len(token_ids), max_output_tokens=state.settings.max_output_tokens,
                                context_length=state.registry.context_length(body.model), prompt_param=prompt_param)
-    request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
-    created_ms = now_ms()
-    request = to_inference_request(body, request_id=request_id, reply_to=state.source.reply_to,
+    timeout_s = timeout_for(state.settings, http_request.headers, body, max_tokens)
+    reply_to = state.source.reply_to
+    if resume is None:
+        request_id, created_ms = _ID_PREFIX[kind] + uuid.uuid4().hex, now_ms()
+    else:
+        request_id, created_ms = resume.request_id, resume.created_ms
+        reply_to = ReplyTo(topic=reply_to.topic, partition=resume.partition)
+    request = to_inference_request(body, request_id=request_id, reply_to=reply_to,
                                    token_ids=token_ids, created_ms=created_ms,
-                                   timeout_s=state.settings.request_timeout_s, messages=messages,
+                                   timeout_s=timeout_s, messages=messages,
                                    max_tokens=max_tokens)
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
@@ -181,6 +208,9 @@ async def _next_record(events: Events, state: BridgeState, request_id: str) -> T
         return await events.__anext__()
     except RequestTimeout:
         raise request_timeout(request_id, state.settings.request_timeout_s) from None
+    except StreamNotFound:
+        raise BridgeError(404, f"No stream of request {request_id} at the position {LAST_EVENT_ID} names.",
+                          "invalid_request_error", code="stream_not_found", param=LAST_EVENT_ID) from None
     except StopAsyncIteration:
         raise BridgeError(502, f"The response stream of {request_id} ended without a final record.",
                           "server_error", code="incomplete_response") from None
@@ -193,13 +223,14 @@ async def _next_record(events: Events, state: BridgeState, request_id: str) -> T
                           code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
 
 
-def _outcome(observer: RequestObserver, stream_error: BridgeError | None) -> int:
+def _outcome(observer: RequestObserver, stream_error: BridgeError | None) -> tuple[int, str | None]:
+    """HTTP status and error code of a finished stream."""
     if stream_error is not None:
-        return stream_error.status
+        return stream_error.status, stream_error.code
     final = observer.final
     if final is not None and final.error is not None:
-        return from_error_info(final.error).status
-    return 200
+        return from_error_info(final.error).status, final.error.code
+    return 200, None
 
 
 async def _close(*gens: Any) -> None:
@@ -219,8 +250,18 @@ async def _wait_records(state: BridgeState, p: Prepared, events: Events,
     return record
 
 
+def _first_event_id(p: Prepared, events: Events, resume: EventId | None) -> EventId | None:
+    """The id of event 0 of this stream (None: the source cannot place its records)."""
+    if resume is not None:
+        return resume.at(0)
+    first_offset = getattr(events, "first_offset", None)
+    if first_offset is None:
+        return None
+    return EventId(p.request.request_id, 0, p.request.reply_to.partition, first_offset, p.request.created_ms)
+
+
 def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, events: Events,
-            observer: RequestObserver) -> Response:
+            observer: RequestObserver, *, attachment: Attachment, resume: EventId | None = None) -> Response:
     stream_error: list[BridgeError] = []
 
     async def records() -> Events:
@@ -241,24 +282,69 @@ def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, 
         sse = chat_sse(p.meta, recs, include_usage)
     else:
         sse = completion_sse(p.meta, recs, include_usage, p.echo_text)
+    numbered = with_ids(sse, _first_event_id(p, events, resume), 0 if resume is None else resume.seq + 1)
 
     async def body() -> AsyncIterator[bytes]:
-        async for chunk in sse:
+        async for chunk in numbered:
             yield chunk
-        observer.finish(_outcome(observer, stream_error[0] if stream_error else None))
+        observer.finish(*_outcome(observer, stream_error[0] if stream_error else None))
 
     stream_body = body()
+    rid = p.request.request_id
 
     async def on_close() -> None:
-        # Runs after completion and after a disconnect: releases the
-        # response-source subscription; an unfinished stream counts as 499
-        # and, unless it failed on the pipeline's side, is cancelled upstream.
-        await _close(stream_body, sse, recs, events)
+        # Runs after completion, a disconnect, or a resumed stream taking
+        # over: releases the response-source subscription; an unfinished
+        # stream counts as 499 and, unless it failed on the pipeline's side
+        # or is read by another stream, is cancelled upstream once the
+        # resume grace has passed.
+        await _close(stream_body, numbered, sse, recs, events)
+        state.attachments.detach(attachment)
         observer.finish(STATUS_CLIENT_CLOSED)
-        if observer.final is None and not stream_error:
-            await cancel_upstream(state.cancel, state.metrics, observer.endpoint, p.request.request_id)
+        if observer.final is None and not stream_error and state.cancel is not None:
+            await state.attachments.cancel_later(rid, functools.partial(
+                cancel_upstream, state.cancel, state.metrics, observer.endpoint, rid))
 
-    return EventStreamResponse(stream_body, on_close, headers={"X-Request-Id": p.request.request_id})
+    response = EventStreamResponse(stream_body, on_close, headers={"X-Request-Id": rid})
+    attachment.close = response.close
+    return response
+
+
+def _resume_id(http_request: Request, kind: RequestKind) -> EventId | None:
+    """The event a resuming client names in ``Last-Event-ID`` (None: not a resume).
+
+    Raises:
+        BridgeError: 400 when the header is not an event id of this endpoint.
+    """
+    raw = http_request.headers.get(LAST_EVENT_ID)
+    if raw is None:
+        return None
+    try:
+        event_id = EventId.parse(raw)
+    except ValueError as exc:
+        raise invalid_request(str(exc), param=LAST_EVENT_ID, code="invalid_value") from None
+    if not event_id.request_id.startswith(_ID_PREFIX[kind]):
+        raise invalid_request(f"{LAST_EVENT_ID} names a request of another endpoint ({event_id.request_id}).",
+                              param=LAST_EVENT_ID, code="invalid_value")
+    return event_id
+
+
+def _open(state: BridgeState, p: Prepared, resume: EventId | None) -> Events:
+    """The response records of ``p.request``: sent now, or replayed from ``resume``.
+
+    Raises:
+        BridgeError: 400 resuming a request that does not stream, or through
+            a source that cannot resume.
+    """
+    if resume is None:
+        return state.source.stream(p.request)
+    if not p.body.stream:
+        raise invalid_request(f"Only streamed answers can be resumed ({LAST_EVENT_ID} with stream: false).",
+                              param="stream", code="unsupported")
+    resume_from = getattr(state.source, "resume", None)
+    if resume_from is None:
+        raise invalid_request("This bridge cannot resume streams.", param=LAST_EVENT_ID, code="unsupported")
+    return resume_from(p.request, StreamCursor(p.request.request_id, resume.partition, resume.first_offset))
 
 
 async def serve(state: BridgeState, http_request: Request, kind: RequestKind) -> Response:
@@ -269,22 +355,30 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
     """
     if not admit(state):
         observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics)
-        observer.finish(503)
+        observer.finish(503, "overloaded")
         return error_response(overloaded(1.0))
     observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics,
                                on_finish=functools.partial(release, state))
     events: Events | None = None
     request_id = ""
+    attachment: Attachment | None = None
     try:
-        p = await prepare(state, http_request, kind)
+        resume = _resume_id(http_request, kind)
+        observer.replay = resume is not None
+        p = await prepare(state, http_request, kind, resume)
         request_id = p.request.request_id
         observer.submitted(request_id, p.body.model, len(p.request.token_ids or ()))
-        events = state.source.stream(p.request)
+        if resume is not None and p.body.stream:
+            # One reader per request on this bridge: streams of it still attached stop now.
+            attachment = state.attachments.attach(request_id)
+            state.attachments.supersede(attachment)
+        events = _open(state, p, resume)
         record = await unless_disconnected(http_request, _wait_records(state, p, events, observer))
-        if isinstance(record, FinalResponse) and record.error is not None:
+        if isinstance(record, FinalResponse) and record.error is not None and resume is None:
             raise from_error_info(record.error)
         if p.body.stream:
-            return _stream(state, p, record, events, observer)
+            attachment = attachment or state.attachments.attach(request_id)
+            return _stream(state, p, record, events, observer, attachment=attachment, resume=resume)
         assert isinstance(record, FinalResponse)
         await _close(events)
         obj = chat_completion(record, p.meta) if kind is RequestKind.chat else text_completion(record, p.meta, p.echo_text)
@@ -293,12 +387,21 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
     except ClientDisconnected:
         # Nobody reads the answer: stop waiting, and stop the worker (once:
         # this path returns before a stream, whose on_close would cancel, exists).
+        # A client resuming a stream may come back again: its cancel waits for that.
         observer.finish(STATUS_CLIENT_CLOSED)
         await _close(events)
-        await cancel_upstream(state.cancel, state.metrics, observer.endpoint, request_id)
+        cancel = functools.partial(cancel_upstream, state.cancel, state.metrics, observer.endpoint, request_id)
+        if attachment is not None:
+            state.attachments.detach(attachment)
+            if state.cancel is not None:
+                await state.attachments.cancel_later(request_id, cancel)
+        elif request_id:
+            await cancel()
         return Response(status_code=STATUS_CLIENT_CLOSED)
     except BridgeError as err:
-        observer.finish(err.status)
+        observer.finish(err.status, err.code)
+        if attachment is not None:
+            state.attachments.detach(attachment)
         if events is not None:
             await _close(events)
         response = error_response(err)
@@ -307,6 +410,8 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
         return response
     except BaseException:
         observer.finish(500)
+        if attachment is not None:
+            state.attachments.detach(attachment)
         if events is not None:
             await _close(events)
         raise

@@ -4,11 +4,14 @@ An OpenAI stream is a sequence of ``data: <json>\\n\\n`` events ending with
 ``data: [DONE]\\n\\n``. :func:`chat_sse`/:func:`completion_sse` turn the
 response records of one request into those events; an error after the
 stream started (the status line is already sent) becomes one
-``data: {"error": {...}}`` event before ``[DONE]``.
+``data: {"error": {...}}`` event before ``[DONE]``. :func:`with_ids` gives
+every event but ``[DONE]`` an ``id:`` line (:mod:`kvflow.streams.bridge.event_ids`)
+and drops the events a resumed client already has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvflow.schemas import FinalResponse, TokenDelta
 from kvflow.streams.bridge.errors import BridgeError, from_error_info
+from kvflow.streams.bridge.event_ids import EventId
 from kvflow.streams.bridge.openai_format import (
     ResponseMeta,
     chat_finish_chunk,
@@ -31,7 +35,7 @@ from kvflow.streams.bridge.openai_format import (
     completion_usage_chunk,
 )
 
-__all__ = ["DONE", "sse_event", "chat_sse", "completion_sse", "EventStreamResponse", "SSE_HEADERS"]
+__all__ = ["DONE", "sse_event", "chat_sse", "completion_sse", "with_ids", "EventStreamResponse", "SSE_HEADERS"]
 
 DONE = b"data: [DONE]\n\n"
 """The event that ends every OpenAI stream."""
@@ -114,14 +118,29 @@ def completion_sse(meta: ResponseMeta, records: Records, include_usage: bool = F
     return events()
 
 
+async def with_ids(events: AsyncIterator[bytes], first: EventId | None, skip: int = 0) -> AsyncIterator[bytes]:
+    """``events`` with an ``id:`` line on each (``first.at(seq)`` for the
+    event numbered ``seq`` from 0; none when ``first`` is None) but
+    ``[DONE]``, without the first ``skip`` of them (``[DONE]`` is never dropped)."""
+    seq = 0
+    async for event in events:
+        if event == DONE:
+            yield event
+            continue
+        if seq >= skip:
+            yield event if first is None else b"id: " + str(first.at(seq)).encode() + b"\n" + event
+        seq += 1
+
+
 class EventStreamResponse(StreamingResponse):
     """A ``text/event-stream`` response that stops on client disconnect and
     always runs ``on_close``.
 
     The body is streamed while ``http.disconnect`` is awaited; whichever ends
     first cancels the other (on every ASGI server version, unlike the
-    default that relies on ``send`` failing under ASGI 2.4). ``on_close``
-    runs shielded from cancellation after either outcome, even when the body
+    default that relies on ``send`` failing under ASGI 2.4). :meth:`close`
+    stops it from outside (a resumed stream replacing it). ``on_close``
+    runs shielded from cancellation after any outcome, even when the body
     iterator never started, so per-request resources are always released.
     """
 
@@ -131,18 +150,41 @@ class EventStreamResponse(StreamingResponse):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
         self.on_close = on_close
+        self._scope: anyio.CancelScope | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """End the stream now: the client sees its body end without ``[DONE]``."""
+        self._closed = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"start": False, "end": False}
+
+        async def tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                if self._closed:
+                    tg.cancel_scope.cancel()
 
                 async def stream_then_stop() -> None:
-                    await self.stream_response(send)
+                    await self.stream_response(tracked)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream_then_stop)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
+            if self._closed and sent["start"] and not sent["end"]:
+                with contextlib.suppress(Exception):  # the client may be gone as well
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()

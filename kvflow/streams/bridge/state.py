@@ -18,6 +18,7 @@ from fastapi import Request
 from kvflow.schemas import CancelReason, FinalResponse, InferenceRequest, ReplyTo, RequestMetrics, TokenDelta
 from kvflow.settings import Settings
 from kvflow.streams.bridge.api_keys import configured_api_keys
+from kvflow.streams.bridge.attachments import Attachments
 from kvflow.streams.bridge.metrics import BridgeMetrics
 from kvflow.streams.bridge.tokenizers import TokenizerCache
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
@@ -32,6 +33,11 @@ class ResponseSource(Protocol):
     ``stream`` yields :class:`TokenDelta` records then one
     :class:`FinalResponse`, and raises
     :class:`~kvflow.streams.client.RequestTimeout` when nothing arrives in time.
+    When the iterator it returns has a ``first_offset`` (the offset of the
+    request's first record on its responses partition, set once it
+    arrived), the bridge's SSE events carry ids a client can resume from,
+    through the source's ``resume(request, cursor)``
+    (:meth:`~kvflow.streams.client.KvflowClient.resume`) when it has one.
     """
 
     @property
@@ -67,6 +73,8 @@ class BridgeState:
     starting worker has registered or a dead one has been expired.
     ``api_keys`` are the bearer keys ``/v1`` routes accept (default: those
     the settings configure, :func:`configured_api_keys`; empty: open).
+    ``attachments`` tracks the HTTP streams of each request and the cancels
+    of disconnected streams waiting ``settings.stream_resume_grace_s`` for a resume.
     """
 
     settings: Settings
@@ -86,8 +94,11 @@ class BridgeState:
     """Called with a model that is not being served before answering 404/503:
     brings the worker projection up to date (returns at most ~0.5 s later);
     None: answer from the projection as it is."""
+    attachments: Attachments | None = None
 
     def __post_init__(self) -> None:
+        if self.attachments is None:
+            self.attachments = Attachments(self.settings.stream_resume_grace_s)
         if self.api_keys is None:
             self.api_keys = configured_api_keys(self.settings)
         if self.max_body_bytes <= 0:
