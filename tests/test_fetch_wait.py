@@ -164,3 +164,10 @@ async def test_a_parked_consumer_is_cut_short(kafka, waiter, how):
         await asyncio.gather(reader, return_exceptions=True)
         await producer.stop()
         await consumer.stop()
+
+
+def test_a_catch_up_fetch_is_never_cut():
+    p = policy(cut_above_ms=50)
+    p.wait_ms([(REQ, 0, 0)], now=0.0)
+    assert p.wait_ms([(REQ, 100, 5000)], now=0.1) == 250 and not p.quiet  # behind: the broker needs the time
+    assert p.wait_ms([(REQ, 5000, 5000)], now=60.0) == 200 and p.quiet

@@ -78,7 +78,13 @@ class FetchWaitPolicy:
     cut_above_ms: int = 50
     """A wake cuts short an in-flight fetch sent with a longer wait than this."""
     sent_ms: int = 0
-    """Wait of the consumer's latest fetch request actually sent (set by the fetcher hook)."""
+    """Wait of the consumer's latest fetch request actually sent if it was a
+    quiet-spell wait, else 0 (set by the fetcher hook). A catch-up wait is
+    never cut: the broker needs that time to assemble the records, and a
+    consumer whose catch-up fetches were cut on every request sent (the
+    bridge's reader under overload) never caught up."""
+    quiet: bool = False
+    """Whether the wait :meth:`wait_ms` last returned is a quiet-spell wait."""
     cut: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     """Aborts the consumer's in-flight fetch (set by :func:`install`)."""
     _last_hw: dict[Any, int] = field(default_factory=dict)
@@ -115,9 +121,10 @@ class FetchWaitPolicy:
             self._last_hw[tp] = highwater
             if last is not None and highwater > last and (self.hot is None or self.hot(tp.topic)):
                 self._last_activity = now
+        quiet = now - self._last_activity - self.active_window_s
+        self.quiet = not behind and quiet >= 0
         if behind:
             return self.catch_up_ms
-        quiet = now - self._last_activity - self.active_window_s
         if quiet < 0:
             return self.active_ms
         if quiet >= 32:
@@ -155,7 +162,7 @@ def patch_fetcher() -> None:
         self._fetch_max_wait_ms = policy.wait_ms(_states(assignment), time.monotonic())
         actions = original(self, assignment)
         if actions[0]:  # fetch requests about to be sent
-            policy.sent_ms = self._fetch_max_wait_ms
+            policy.sent_ms = self._fetch_max_wait_ms if policy.quiet else 0
         return actions
 
     Fetcher._get_actions_per_node = _get_actions_per_node
