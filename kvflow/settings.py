@@ -117,6 +117,12 @@ class Settings(BaseSettings):
     at ~100k tokens). On a real cluster, topics kvflow creates get this as
     ``max.message.bytes``. Defaults to 16 MiB."""
 
+    producer_linger_ms: int = Field(default=0, ge=0)
+    """How long a producer holds a batch for more records before sending it
+    (aiokafka ``linger_ms``): records for several partitions then share one
+    produce request, which the broker pays for per request. Adds up to this
+    much latency to each record. Defaults to 0."""
+
     bridge_max_inflight_requests: int = Field(default=1024, ge=1)
     """Requests one bridge serves at once; above it new ones are answered 503
     with ``Retry-After`` before their body is read, which bounds the bridge's

@@ -42,9 +42,9 @@ def bootstrap(settings: Settings) -> str:
 
 
 def make_producer(settings: Settings, **kwargs: Any) -> AIOKafkaProducer:
-    """An un-started producer: low linger, no idempotence on the embedded broker,
+    """An un-started producer: ``settings.producer_linger_ms`` linger, no idempotence on the embedded broker,
     TLS/SASL as the settings say; ``kwargs`` override any of it."""
-    opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": 0, "client_id": "kvflow",
+    opts: dict[str, Any] = {"bootstrap_servers": bootstrap(settings), "linger_ms": settings.producer_linger_ms, "client_id": "kvflow",
                             "max_request_size": settings.max_record_bytes}
     opts.update(client_security(settings))
     opts.update(producer_overrides(settings.embedded_broker))
