@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,10 +20,13 @@ import typer
 
 from kvflow.cli_options import (
     BootstrapOpt,
+    CompileOpt,
     DataDirOpt,
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
+    DtypeOpt,
     JoinPortOpt,
+    KvCacheGbOpt,
     NamespaceOpt,
     PolicyOpt,
     StateFileOpt,
@@ -30,6 +34,7 @@ from kvflow.cli_options import (
     env_help,
     join_settings,
     resolve_settings,
+    vllm_worker_args,
 )
 from kvflow.deployments import DeploymentState, read_state, remove_state, state_path, write_state
 from kvflow.schemas import WorkerRole
@@ -97,6 +102,9 @@ def up(
         help="mocker: tokenize like this model (e.g. SmolLM2-135M-Instruct) instead of bytes.")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
     = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
     verbose: bool = False,
 ) -> None:
     """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
@@ -135,6 +143,8 @@ def up(
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
     if engine == "mocker" and mocker_tokenizer:
         extra_args.append(f"--tokenizer={mocker_tokenizer}")
+    if engine == "vllm":
+        extra_args = vllm_worker_args(kv_cache_gb, dtype, compiled)
     plan = None
     if planner == "sla":
         from kvflow.planner.core import PlannerConfig, PlannerMode
@@ -174,6 +184,7 @@ def up(
                     await sup.start_worker(role)
             total = workers + prefill_workers + decode_workers
             typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,6 +195,7 @@ def up(
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
+                typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
@@ -210,6 +222,9 @@ def worker(
     tokenizer: Annotated[Optional[str], typer.Option(
         help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     embedded_broker: Annotated[Optional[bool], typer.Option(
@@ -231,7 +246,8 @@ def worker(
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
                            worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
-                           device=device, tokenizer=tokenizer))
+                           device=device, tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
+                           compiled=compiled))
 
 
 @app.command()
