@@ -39,9 +39,10 @@ Platform defaults (:func:`vllm_engine_args`; :class:`VllmOptions` overrides):
   CPU default would reserve ``gpu_memory_utilization`` = 92% of host memory
   and fails on a shared machine), vLLM's ``gpu_memory_utilization`` on GPU;
 * **dtype**: ``"auto"`` (vLLM's choice: bfloat16 for SmolLM2's float32
-  checkpoint on CPU and GPU). Measured on a 2-core AMD EPYC (AVX2, no
-  AVX-512), 8 streams of 64 tokens, eager: bfloat16 ~265 output tok/s,
-  float32 ~180, float16 ~33 (docs/benchmarks.md);
+  checkpoint on CPU and GPU). On a 2-core AMD EPYC (AVX2, no AVX-512) vLLM
+  alone made 186-200 output tok/s in bfloat16 and 130 in float32
+  (``bench/engine_overhead.py``, docs/benchmarks.md); float16 was about 6x
+  slower than bfloat16 there;
 * **compilation**: eager (``enforce_eager=True``) on CPU, where
   ``torch.compile`` start-up took 100-250 s against ~20 s eager on that
   machine; vLLM's default (compiled, CUDA graphs) elsewhere.
