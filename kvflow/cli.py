@@ -422,30 +422,64 @@ def _int_list(values: list[str] | None) -> list[int] | None:
 @app.command("profile")
 def profile_cmd(
     out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
-    engine: Annotated[str, typer.Option(help="mocker (hf and vllm are not implemented yet).")] = "mocker",
+    engine: Annotated[str, typer.Option(
+        help="mocker (simulated clock, instant) | hf | vllm (timed live on this machine).")] = "mocker",
     isl: Annotated[Optional[list[str]], typer.Option(
         help="ISL / context-length axis, tokens: repeat or comma-separate (default 128..16384).")] = None,
     concurrency: Annotated[Optional[list[str]], typer.Option(
         help="Concurrency axis: repeat or comma-separate (default 1..256).")] = None,
-    model: Annotated[str, typer.Option(help="Model name recorded in the profile.")] = "mocker",
+    model: Annotated[Optional[str], typer.Option(
+        help="mocker: name recorded in the profile (default mocker); hf/vllm: model to load "
+             "(default SmolLM2-135M-Instruct).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="Also draw the profile to this PNG (default: OUT with .png; --no-plot: none).")] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no PNG.")] = False,
+    decode_tokens: Annotated[int, typer.Option(
+        min=2, help="hf/vllm: output tokens per sequence in each decode point's steady window.")] = 16,
+    device: Annotated[str, typer.Option(help="hf: torch device.")] = "cpu",
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
-    num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks (engine default if unset).")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="mocker: tokens per KV block (default if unset).")] = None,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block (engine default if unset).")] = None,
+    verbose: bool = False,
 ) -> None:
-    """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses."""
-    from kvflow.planner.profile import DEFAULT_CONCURRENCIES, DEFAULT_ISLS, run_profile
-    from kvflow.workers.engines.mocker_core import MockerConfig
+    """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses (and a PNG of it).
 
-    kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
-          **({"block_size": block_size} if block_size else {})}
+    The mocker is swept on its simulated clock; hf and vllm are loaded and
+    timed on this machine (kvflow.planner.engine_sweep), so keep the grid
+    small on a CPU and the machine otherwise idle.
+    """
+    from kvflow.planner.profile import DEFAULT_CONCURRENCIES, DEFAULT_ISLS, run_profile
+    from kvflow.planner.profile_plot import plot_profile
+    from kvflow.workers.engines.base import EngineError
+
+    _logging(verbose)
+    isls = _int_list(isl) or DEFAULT_ISLS
+    concs = _int_list(concurrency) or DEFAULT_CONCURRENCIES
     try:
-        prof = run_profile(engine, _int_list(isl) or DEFAULT_ISLS, _int_list(concurrency) or DEFAULT_CONCURRENCIES,
-                           out, model=model, config=MockerConfig(**kw))
-    except (ValueError, NotImplementedError) as exc:
+        if engine in ("hf", "vllm"):
+            from kvflow.planner.engine_sweep import SweepConfig, profile_engine
+
+            prof = asyncio.run(profile_engine(
+                engine, model or "SmolLM2-135M-Instruct", isls, concs, config=SweepConfig(decode_tokens=decode_tokens),
+                block_size=block_size, num_kv_blocks=num_kv_blocks, device=device, progress=typer.echo))
+            prof.save(out)
+        else:
+            from kvflow.workers.engines.mocker_core import MockerConfig
+
+            kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
+                  **({"block_size": block_size} if block_size else {})}
+            prof = run_profile(engine, isls, concs, out, model=model or "mocker", config=MockerConfig(**kw))
+    except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except EngineError as exc:
+        typer.echo(f"the {engine} engine failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
     p, d = prof.prefill, prof.decode
     typer.echo(f"wrote {out}: {engine} prefill {len(p.isl)}x{len(p.concurrency)}, "
                f"decode {len(d.context_length)}x{len(d.concurrency)} grid")
+    if not no_plot:
+        png = plot_profile(prof, plot or out.with_suffix(".png"))
+        typer.echo(f"wrote {png}")
 
 
 @app.command()
