@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: up, worker, status, explain, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, status, admin, explain, produce, planner, profile, replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -281,6 +281,68 @@ def status(
         for c in commands:
             typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
                        f"{c.reason.split(';')[0]}")
+
+
+admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache "
+                             "(control records; the worker answers).", no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+
+WorkerArg = Annotated[str, typer.Argument(help="Worker id (as `kvflow status` lists it).")]
+AdminTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds to wait for the worker's answer (a sleep first waits for its in-flight requests).")]
+
+
+def _admin(action: str, worker_id: str, *, level: int, timeout_s: float, port, state_file, data_dir,
+           bootstrap_servers, namespace) -> None:
+    from kvflow.streams.admin import AdminTimeout, send_admin_command
+
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
+    try:
+        answer = asyncio.run(send_admin_command(settings, worker_id, action, level=level, timeout_s=timeout_s))
+    except AdminTimeout as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{worker_id}: {action} {'done' if answer.ok else 'FAILED'} in {answer.duration_ms} ms: {answer.detail}")
+    if not answer.ok:
+        raise typer.Exit(1)
+
+
+@admin_app.command("sleep")
+def admin_sleep(
+    worker_id: WorkerArg,
+    level: Annotated[int, typer.Option(min=1, max=2, help="1: keep weights in host memory; 2: discard them.")] = 1,
+    timeout_s: AdminTimeoutOpt = 120.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Make WORKER unroutable, let it finish its requests, then put its engine to sleep (KV cache dropped)."""
+    _admin("sleep", worker_id, level=level, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@admin_app.command("wake")
+def admin_wake(
+    worker_id: WorkerArg,
+    timeout_s: AdminTimeoutOpt = 120.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Wake WORKER's engine; it is routable again."""
+    _admin("wake", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@admin_app.command("clear-kv")
+def admin_clear_kv(
+    worker_id: WorkerArg,
+    timeout_s: AdminTimeoutOpt = 30.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
+    _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
 
 
 @app.command()
