@@ -16,9 +16,11 @@ a real engine can only be timed. :func:`sweep_engine` takes a started
   finishes (none has left). ITL = mean gap between consecutive outputs of a
   request inside the window, divided by the tokens the later output carries;
   throughput = output tokens produced inside the window / its duration;
-  KV usage = the highest ``used_blocks / total_blocks`` the engine reported
-  at any output inside the window (None when it reports no pool: not
-  measured, as in :mod:`kvflow.replay.planner_eval`; the planner does not read it).
+  KV usage = the share of the engine's KV blocks the ``c`` sequences imply
+  at their longest, ``c · ceil((context + max_tokens) / block_size) /
+  total_blocks`` (None when the engine reports no pool). It is computed, not
+  sampled: engines count cached blocks differently (hf counts its whole
+  prefix cache as used, which a sweep fills). The planner does not read it.
 
 Prompts are random token ids (seeded), distinct for every request, so no
 point profits from the prefix cache. Requests ask for ``ignore_eos`` and
@@ -138,7 +140,7 @@ async def decode_point(engine: Engine, prompts: Sequence[list[int]],
     """Decode ``prompts`` (all the same length) together; see the module docstring.
 
     Returns:
-        (ITL ms, output tokens/s, peak KV usage fraction or None), or None
+        (ITL ms, output tokens/s, implied KV usage fraction or None), or None
         when the engine rejects a request, the sequences do not fit its
         context, or the steady window is empty.
     """
@@ -147,16 +149,11 @@ async def decode_point(engine: Engine, prompts: Sequence[list[int]],
     if not _fits(engine, ctx + max_tokens):
         return None
     stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
-    usage: list[tuple[float, float]] = []
 
     async def one(i: int, prompt: list[int]) -> None:
         async for out in engine.generate(_request("d", prompt, max_tokens)):
             if out.token_ids:
-                now = time.perf_counter()
-                stamps[i].append((now, len(out.token_ids)))
-                stats = engine.kv_stats()
-                if stats.total_blocks:
-                    usage.append((now, stats.used_blocks / stats.total_blocks))
+                stamps[i].append((time.perf_counter(), len(out.token_ids)))
 
     try:
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -176,8 +173,9 @@ async def decode_point(engine: Engine, prompts: Sequence[list[int]],
         gaps.extend((b - a) / n for (a, _), (b, n) in zip(window, window[1:]))
     if not gaps or not tokens:
         return None
-    in_window = [u for t, u in usage if t0 <= t <= t1]
-    return sum(gaps) / len(gaps) * 1000.0, tokens / (t1 - t0), (max(in_window) if in_window else None)
+    stats = engine.kv_stats()
+    usage = c * -(-(ctx + max_tokens) // stats.block_size) / stats.total_blocks if stats.total_blocks else None
+    return sum(gaps) / len(gaps) * 1000.0, tokens / (t1 - t0), usage
 
 
 async def sweep_engine(engine: Engine, isls: Sequence[int], concurrencies: Sequence[int], *,
