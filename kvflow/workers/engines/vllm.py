@@ -72,6 +72,11 @@ vLLM, updated after each engine step that produced outputs:
 
 :meth:`VllmEngine.start` builds vLLM on the event loop's thread (as vLLM's
 own server does), so the loop is blocked while the model loads.
+
+Disaggregated serving (``prefill``, ``generate_from_kv``, vLLM's KV connector
+API) lives in :mod:`kvflow.workers.engines.vllm_disagg`; sleep, wake and
+prefix-cache reset in :mod:`kvflow.workers.engines.vllm_admin`. The methods
+here only delegate.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ from kvflow.workers.engines.base import (
     GenerateRequest,
     KvStats,
 )
+from kvflow.workers.engines import vllm_admin, vllm_disagg
+from kvflow.workers.engines.vllm_disagg import KvConnectorSpec
 from kvflow.workers.engines.vllm_kv_events import (
     KvEventTranslator,
     VllmKvEventSubscriber,
@@ -337,6 +344,8 @@ class VllmEngine(Engine):
             key of ``extra`` is passed to ``vllm.AsyncEngineArgs`` last
             (e.g. ``max_model_len``, ``gpu_memory_utilization``).
         options: the vLLM flags (:class:`VllmOptions`); default: platform defaults.
+        kv_connector: the KV connector of a prefill or decode worker
+            (:mod:`~kvflow.workers.engines.vllm_disagg`); None for aggregated serving.
         **overrides: ``EngineConfig`` fields replacing those of ``config``
             (``VllmEngine(model=...)``, as :func:`~kvflow.workers.engines.make_engine` calls it).
 
@@ -348,9 +357,10 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, config: EngineConfig | None = None, *, options: VllmOptions | None = None,
-                 **overrides: Any) -> None:
+                 kv_connector: KvConnectorSpec | None = None, **overrides: Any) -> None:
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.options = options or VllmOptions()
+        self.kv_connector = kv_connector
         self.block_size = self.config.block_size
         self.device_type: str | None = None
         self.engine_args: dict[str, Any] = {}
@@ -467,6 +477,8 @@ class VllmEngine(Engine):
             "disable_log_stats": False,  # the stat logger feeds kv_stats()
             "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                endpoint=self._endpoint, topic=_KV_EVENTS_TOPIC),
+            **vllm_admin.sleep_mode_args(),
+            **(self.kv_connector.engine_args() if self.kv_connector is not None else {}),
             **args,
         }
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**full), stat_loggers=[_stat_logger_factory(self._load)])
@@ -510,8 +522,7 @@ class VllmEngine(Engine):
             raise EngineError(f"request {request.request_id} is already in flight")
         if request.lora_name:
             raise EngineError("the vllm engine does not serve LoRA adapters")
-        params = self._vllm_sampling_params(**vllm_sampling_kwargs(request.sampling),
-                                            output_kind=self._delta_kind, detokenize=False)
+        params = self._sampling_params(request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         pump = asyncio.create_task(self._pump(request, params, queue), name=f"vllm-{request.request_id}")
@@ -538,6 +549,50 @@ class VllmEngine(Engine):
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
+
+    def _sampling_params(self, request: GenerateRequest) -> Any:
+        """vLLM ``SamplingParams`` of ``request`` (DELTA outputs, no detokenizing, its ``kv_transfer_params``)."""
+        extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        return self._vllm_sampling_params(**vllm_sampling_kwargs(request.sampling), output_kind=self._delta_kind,
+                                          detokenize=False, extra_args=extra)
+
+    async def raw_outputs(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        """vLLM's own ``RequestOutput`` items for ``request`` (DELTA kind), for callers
+        that need more than tokens (the prefill's ``kv_transfer_params``). :meth:`abort` stops it.
+
+        Raises:
+            EngineError: the engine is not started.
+        """
+        if self._engine is None:
+            raise EngineError("vllm engine is not started")
+        async for output in self._engine.generate(self._tokens_prompt(list(request.prompt_token_ids)),
+                                                  self._sampling_params(request), request.request_id):
+            yield output
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` once started, else None."""
+        return self._engine
+
+    async def prefill(self, request: GenerateRequest) -> Any:
+        """Disaggregated prefill through the KV connector (:func:`vllm_disagg.prefill`)."""
+        return await vllm_disagg.prefill(self, request)
+
+    def generate_from_kv(self, request: GenerateRequest, handoff: Any) -> AsyncIterator[EngineOutput]:
+        """Disaggregated decode through the KV connector (:func:`vllm_disagg.generate_from_kv`)."""
+        return vllm_disagg.generate_from_kv(self, request, handoff)
+
+    async def sleep(self, level: int) -> str:
+        """Admin sleep (:func:`vllm_admin.sleep`)."""
+        return await vllm_admin.sleep(self, level)
+
+    async def wake_up(self) -> str:
+        """Admin wake (:func:`vllm_admin.wake_up`)."""
+        return await vllm_admin.wake_up(self)
+
+    async def clear_kv_cache(self) -> tuple[bool, str]:
+        """Admin prefix-cache reset (:func:`vllm_admin.clear_kv_cache`)."""
+        return await vllm_admin.clear_kv_cache(self)
 
     async def _pump(self, request: GenerateRequest, params: Any, queue: asyncio.Queue) -> None:
         """Move vLLM's outputs for one request into ``queue`` (then ``_END``, or the exception)."""
