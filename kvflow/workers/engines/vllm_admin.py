@@ -16,18 +16,25 @@ They map onto ``AsyncLLM``'s own calls:
 * clear KV → ``AsyncLLM.reset_prefix_cache()``: vLLM refuses (returns
   False) while running requests hold blocks; on success its publisher emits
   ``AllBlocksCleared``.
+
+vLLM queues the ``AllBlocksCleared`` of a reset with the events of its next
+engine step, which an idle or sleeping engine does not take; so after a
+reset (and a sleep) the engine announces the clear itself at once
+(:func:`announce_cleared`). The later copy from vLLM clears nothing more.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvflow.workers.engines.base import EngineError
+from kvflow.workers.engines.vllm_kv_events import VllmAllBlocksCleared, VllmEventBatch
 
 if TYPE_CHECKING:
     from kvflow.workers.engines.vllm import VllmEngine
 
-__all__ = ["sleep_mode_args", "sleep", "wake_up", "clear_kv_cache"]
+__all__ = ["sleep_mode_args", "sleep", "wake_up", "clear_kv_cache", "announce_cleared"]
 
 
 def sleep_mode_args() -> dict[str, Any]:
@@ -36,6 +43,15 @@ def sleep_mode_args() -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     return {"enable_sleep_mode": True} if current_platform.is_sleep_mode_available() else {}
+
+
+def announce_cleared(engine: VllmEngine) -> None:
+    """Emit ``AllBlocksCleared`` now, through the engine's KV event translator
+    (which forgets its blocks too, so a resync dump is empty)."""
+    if engine.kv_subscriber is None:
+        return
+    batch = VllmEventBatch(ts=time.time(), events=(VllmAllBlocksCleared(),))
+    engine.emit_kv_events(engine.kv_subscriber.translator.translate(batch))
 
 
 def _llm(engine: VllmEngine) -> Any:
@@ -56,6 +72,7 @@ async def sleep(engine: VllmEngine, level: int) -> str:
     """
     llm = _llm(engine)
     await llm.sleep(level)
+    announce_cleared(engine)
     if _sleep_mode(llm):
         released = ("weights moved to host memory, KV cache discarded" if level == 1
                     else "weights and KV cache discarded")
@@ -83,5 +100,6 @@ async def clear_kv_cache(engine: VllmEngine) -> tuple[bool, str]:
         EngineError: the engine is not started.
     """
     if await _llm(engine).reset_prefix_cache():
+        announce_cleared(engine)
         return True, "vLLM prefix cache reset"
     return False, "refused by vLLM: running requests hold KV blocks"
