@@ -502,6 +502,9 @@ def profile_cmd(
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block (engine default if unset).")] = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
     verbose: bool = False,
 ) -> None:
     """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses (and a PNG of it).
@@ -523,7 +526,8 @@ def profile_cmd(
 
             prof = asyncio.run(profile_engine(
                 engine, model or "SmolLM2-135M-Instruct", isls, concs, config=SweepConfig(decode_tokens=decode_tokens),
-                block_size=block_size, num_kv_blocks=num_kv_blocks, device=device, progress=typer.echo))
+                block_size=block_size, num_kv_blocks=num_kv_blocks, device=device, progress=typer.echo,
+                vllm_options={"kv_cache_gb": kv_cache_gb, "dtype": dtype, "compiled": compiled}))
             prof.save(out)
         else:
             from kvflow.workers.engines.mocker_core import MockerConfig

@@ -239,9 +239,13 @@ def _fmt(cell: tuple | None) -> str:
 async def profile_engine(engine: str, model: str, isls: Sequence[int], concurrencies: Sequence[int], *,
                          config: SweepConfig = SweepConfig(), block_size: int | None = None,
                          num_kv_blocks: int | None = None, device: str = "cpu",
-                         progress: Progress | None = None) -> Profile:
+                         vllm_options: dict | None = None, progress: Progress | None = None) -> Profile:
     """Build ``engine`` (``hf`` or ``vllm``) for ``model`` as a worker would
     (:func:`kvflow.workers.main.build_engine`), start it, :func:`sweep_engine`, stop it.
+
+    ``vllm_options`` are ``build_engine``'s vllm keywords (``kv_cache_gb``,
+    ``dtype``, ``compiled``); they and the engine's own arguments are recorded
+    in the profile's ``engine_config``.
 
     Raises:
         ValueError: unknown or simulated engine (``mocker``: use
@@ -252,11 +256,16 @@ async def profile_engine(engine: str, model: str, isls: Sequence[int], concurren
         raise ValueError(f"live profiling needs a real engine (hf or vllm), not {engine!r}")
     from kvflow.workers.main import build_engine
 
+    options = (vllm_options or {}) if engine == "vllm" else {}
     eng, served, _tokenizer = build_engine(engine, model, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                           device=device, worker_id="profile")
+                                           device=device, worker_id="profile", **options)
     await eng.start()
     try:
-        settings = {"device": device, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}
+        settings = {"device": device, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}), **options}
+        engine_args = getattr(eng, "engine_args", None)  # vllm: what vLLM was given
+        if engine_args:
+            settings["vllm_engine_args"] = {k: v for k, v in engine_args.items()
+                                            if isinstance(v, (int, float, str, bool))}
         return await sweep_engine(eng, isls, concurrencies, config=config, model=served, engine_config=settings,
                                   progress=progress)
     finally:
