@@ -295,3 +295,16 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     dirs = [d for d in store.iterdir() if d.is_dir()]
     assert len(dirs) >= len(prompts)
     assert all(len(list(d.glob("*.safetensors"))) == 30 for d in dirs if any(d.iterdir()))
+
+
+def test_engine_handoff_travels_in_the_decode_stage():
+    from kvflow.schemas.transfer import DecodeStage, parse_stage
+
+    desc = TransferDescriptor(transfer_id="r", source_worker_id="pre-0", backend="vllm", num_tokens=70,
+                              engine_kv=EngineKvHandoff(connector="NixlConnector", kv_transfer_params=NIXL_PARAMS,
+                                                        num_tokens=70))
+    stage = DecodeStage(prefill_worker_id="pre-0", first_token_id=9, num_prompt_tokens=70, kv=desc)
+    back = parse_stage(stage.to_params())
+    assert back == DecodeStage.model_validate_json(stage.model_dump_json())
+    assert back.kv.engine_kv.kv_transfer_params["remote_block_ids"] == [[1, 2]]  # JSON: tuples become lists
+    assert decode_kv_transfer_params(back.kv.engine_kv.kv_transfer_params)["remote_engine_id"] == "e"
