@@ -82,16 +82,24 @@ async def test_clear_kv_drops_the_workers_blocks_from_the_router_index(cluster, 
     await waiter(lambda: blocks(router, again.worker_id) >= 10)
 
 
-async def test_clear_kv_is_refused_while_a_request_holds_blocks(cluster, waiter):
+async def test_clear_kv_is_refused_while_a_request_holds_blocks(cluster, waiter, monkeypatch):
     settings, catalog, router, workers, client = cluster
-    slow = client.new_request(MODEL, token_ids=prompt(3), sampling=SamplingParams(max_tokens=400))
+    # Hold every engine step until the refusal is in: the request cannot finish first.
+    gate = asyncio.Event()
+
+    async def gated_sleep(seconds: float) -> None:
+        await gate.wait()
+
+    for w in workers.values():
+        monkeypatch.setattr(w.engine, "_sleep", gated_sleep)  # the mocker's injectable step clock
+    slow = client.new_request(MODEL, token_ids=prompt(3), sampling=SamplingParams(max_tokens=8))
     done = asyncio.ensure_future(client.complete(slow))
-    busy = await waiter(lambda: next((w for w in workers.values() if w.inflight), None))
-    await waiter(lambda: busy.engine.core.has_work())
+    busy = await waiter(lambda: next((w for w in workers.values() if w.engine.core.has_work()), None))
     answer = await send_admin_command(settings, busy.config.worker_id, "clear_kv", timeout_s=30, catalog=catalog)
     assert not answer.ok and "refused" in answer.detail
-    await client.cancel(slow.request_id)
-    await done
+    assert busy.engine.core.has_work()  # nothing was dropped: the request still holds its blocks
+    gate.set()
+    assert (await done).error is None
 
 
 async def test_a_sleeping_worker_is_unroutable_until_woken(cluster, waiter):
