@@ -13,7 +13,8 @@ Three layers:
   ExampleConnector (safetensors files under a shared directory) on this
   CPU build, as :func:`pick_connector` chooses where NIXL is absent.
 
-The vLLM parts skip when ``vllm`` is not importable.
+The vLLM parts skip when vLLM cannot run here, and fail in CI, which installs it
+(:func:`vllm_support.require_vllm`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from vllm_support import TEST_KV_CACHE_GB, TEST_MAX_MODEL_LEN, require_vllm
 
 from kvflow.schemas import FinishReason, SamplingParams, WorkerRole
 from kvflow.schemas.transfer import EngineKvHandoff, TransferDescriptor
@@ -42,8 +44,6 @@ from kvflow.workers.engines.vllm_disagg import (
 from kvflow.workers.kv.handoff import KvHandoff
 from kvflow.workers.kv.transfer import TransferError
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 
@@ -178,9 +178,9 @@ def _nixl_connector(role: WorkerRole):
     return spec, NixlConnector(config, KVConnectorRole.SCHEDULER, kv_cache)
 
 
-@needs_vllm
 @pytest.mark.slow
 def test_kvflow_nixl_params_drive_vllms_nixl_connector():
+    require_vllm()
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -213,30 +213,22 @@ PROMPTS = [
 ]
 
 
-def _engine_extra() -> dict:
-    import torch
-
-    extra = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048}
-    if torch.cuda.is_available():
-        extra["gpu_memory_utilization"] = 0.25  # three engines share one GPU in this test
-    return extra
-
-
 def _engine(connector: KvConnectorSpec | None):
+    """A small float32 engine (eager on CPU by the platform defaults)."""
     from kvflow.workers.engines.base import EngineConfig
-    from kvflow.workers.engines.vllm import VllmEngine
+    from kvflow.workers.engines.vllm import VllmEngine, VllmOptions
 
-    return VllmEngine(EngineConfig(model=MODEL, block_size=BLOCK, extra=_engine_extra()), kv_connector=connector)
+    return VllmEngine(EngineConfig(model=MODEL, block_size=BLOCK, extra={"max_model_len": TEST_MAX_MODEL_LEN}),
+                      options=VllmOptions(kv_cache_gb=TEST_KV_CACHE_GB, dtype="float32"), kv_connector=connector)
 
 
-@needs_vllm
 @pytest.mark.slow
-async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, waiter, tmp_path, monkeypatch):
+async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, waiter, tmp_path):
+    require_vllm()
     from kvflow.router.app import build_router_app
     from kvflow.streams.client import KvflowClient
     from kvflow.workers.worker import Worker, WorkerConfig
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine on a CPU host
     settings, catalog = kafka
     settings = settings.model_copy(update={"disagg_prefill_threshold_tokens": 16})
     sampling = SamplingParams(max_tokens=12, temperature=0.0)
