@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: up, worker, bridge, status, explain, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, bridge, status, admin, explain, produce, planner, profile, replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,10 +20,13 @@ import typer
 
 from kvflow.cli_options import (
     BootstrapOpt,
+    CompileOpt,
     DataDirOpt,
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
+    DtypeOpt,
     JoinPortOpt,
+    KvCacheGbOpt,
     NamespaceOpt,
     PolicyOpt,
     ShedKvThresholdOpt,
@@ -35,6 +39,7 @@ from kvflow.cli_options import (
     env_help,
     join_settings,
     resolve_settings,
+    vllm_worker_args,
 )
 from kvflow.deployments import DeploymentState, read_state, remove_state, state_path, write_state
 from kvflow.schemas import WorkerRole
@@ -107,6 +112,9 @@ def up(
         help="mocker: tokenize like this model (e.g. SmolLM2-135M-Instruct) instead of bytes.")] = None,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
     = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
     verbose: bool = False,
 ) -> None:
     """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
@@ -148,6 +156,8 @@ def up(
     extra_args = [f"--{k.replace('_', '-')}={v}" for k, v in mocker_args.items()] if engine == "mocker" else []
     if engine == "mocker" and mocker_tokenizer:
         extra_args.append(f"--tokenizer={mocker_tokenizer}")
+    if engine == "vllm":
+        extra_args = vllm_worker_args(kv_cache_gb, dtype, compiled)
     plan = None
     if planner == "sla":
         from kvflow.planner.core import PlannerConfig, PlannerMode
@@ -187,6 +197,7 @@ def up(
                     await sup.start_worker(role)
             total = workers + prefill_workers + decode_workers
             typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -197,6 +208,7 @@ def up(
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
+                typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
@@ -223,6 +235,9 @@ def worker(
     tokenizer: Annotated[Optional[str], typer.Option(
         help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     embedded_broker: Annotated[Optional[bool], typer.Option(
@@ -244,7 +259,8 @@ def worker(
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
                            worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
-                           device=device, tokenizer=tokenizer))
+                           device=device, tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
+                           compiled=compiled))
 
 
 @app.command("bridge")
@@ -319,6 +335,68 @@ def status(
         for c in commands:
             typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
                        f"{c.reason.split(';')[0]}")
+
+
+admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache "
+                             "(control records; the worker answers).", no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+
+WorkerArg = Annotated[str, typer.Argument(help="Worker id (as `kvflow status` lists it).")]
+AdminTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds to wait for the worker's answer (a sleep first waits for its in-flight requests).")]
+
+
+def _admin(action: str, worker_id: str, *, level: int, timeout_s: float, port, state_file, data_dir,
+           bootstrap_servers, namespace) -> None:
+    from kvflow.streams.admin import AdminTimeout, send_admin_command
+
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
+    try:
+        answer = asyncio.run(send_admin_command(settings, worker_id, action, level=level, timeout_s=timeout_s))
+    except AdminTimeout as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{worker_id}: {action} {'done' if answer.ok else 'FAILED'} in {answer.duration_ms} ms: {answer.detail}")
+    if not answer.ok:
+        raise typer.Exit(1)
+
+
+@admin_app.command("sleep")
+def admin_sleep(
+    worker_id: WorkerArg,
+    level: Annotated[int, typer.Option(min=1, max=2, help="1: keep weights in host memory; 2: discard them.")] = 1,
+    timeout_s: AdminTimeoutOpt = 120.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Make WORKER unroutable, let it finish its requests, then put its engine to sleep (KV cache dropped)."""
+    _admin("sleep", worker_id, level=level, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@admin_app.command("wake")
+def admin_wake(
+    worker_id: WorkerArg,
+    timeout_s: AdminTimeoutOpt = 120.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Wake WORKER's engine; it is routable again."""
+    _admin("wake", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@admin_app.command("clear-kv")
+def admin_clear_kv(
+    worker_id: WorkerArg,
+    timeout_s: AdminTimeoutOpt = 30.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
+    _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
 
 
 @app.command()
@@ -460,30 +538,68 @@ def _int_list(values: list[str] | None) -> list[int] | None:
 @app.command("profile")
 def profile_cmd(
     out: Annotated[Path, typer.Option(help="Where to write the profile JSON.")],
-    engine: Annotated[str, typer.Option(help="mocker (hf and vllm are not implemented yet).")] = "mocker",
+    engine: Annotated[str, typer.Option(
+        help="mocker (simulated clock, instant) | hf | vllm (timed live on this machine).")] = "mocker",
     isl: Annotated[Optional[list[str]], typer.Option(
         help="ISL / context-length axis, tokens: repeat or comma-separate (default 128..16384).")] = None,
     concurrency: Annotated[Optional[list[str]], typer.Option(
         help="Concurrency axis: repeat or comma-separate (default 1..256).")] = None,
-    model: Annotated[str, typer.Option(help="Model name recorded in the profile.")] = "mocker",
+    model: Annotated[Optional[str], typer.Option(
+        help="mocker: name recorded in the profile (default mocker); hf/vllm: model to load "
+             "(default SmolLM2-135M-Instruct).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="Also draw the profile to this PNG (default: OUT with .png; --no-plot: none).")] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no PNG.")] = False,
+    decode_tokens: Annotated[int, typer.Option(
+        min=2, help="hf/vllm: output tokens per sequence in each decode point's steady window.")] = 16,
+    device: Annotated[str, typer.Option(help="hf: torch device.")] = "cpu",
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
-    num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks (engine default if unset).")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="mocker: tokens per KV block (default if unset).")] = None,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block (engine default if unset).")] = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    dtype: DtypeOpt = "auto",
+    compiled: CompileOpt = None,
+    verbose: bool = False,
 ) -> None:
-    """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses."""
-    from kvflow.planner.profile import DEFAULT_CONCURRENCIES, DEFAULT_ISLS, run_profile
-    from kvflow.workers.engines.mocker_core import MockerConfig
+    """Sweep an engine over ISL x concurrency and write the profile the SLA planner uses (and a PNG of it).
 
-    kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
-          **({"block_size": block_size} if block_size else {})}
+    The mocker is swept on its simulated clock; hf and vllm are loaded and
+    timed on this machine (kvflow.planner.engine_sweep), so keep the grid
+    small on a CPU and the machine otherwise idle.
+    """
+    from kvflow.planner.profile import DEFAULT_CONCURRENCIES, DEFAULT_ISLS, run_profile
+    from kvflow.planner.profile_plot import plot_profile
+    from kvflow.workers.engines.base import EngineError
+
+    _logging(verbose)
+    isls = _int_list(isl) or DEFAULT_ISLS
+    concs = _int_list(concurrency) or DEFAULT_CONCURRENCIES
     try:
-        prof = run_profile(engine, _int_list(isl) or DEFAULT_ISLS, _int_list(concurrency) or DEFAULT_CONCURRENCIES,
-                           out, model=model, config=MockerConfig(**kw))
-    except (ValueError, NotImplementedError) as exc:
+        if engine in ("hf", "vllm"):
+            from kvflow.planner.engine_sweep import SweepConfig, profile_engine
+
+            prof = asyncio.run(profile_engine(
+                engine, model or "SmolLM2-135M-Instruct", isls, concs, config=SweepConfig(decode_tokens=decode_tokens),
+                block_size=block_size, num_kv_blocks=num_kv_blocks, device=device, progress=typer.echo,
+                vllm_options={"kv_cache_gb": kv_cache_gb, "dtype": dtype, "compiled": compiled}))
+            prof.save(out)
+        else:
+            from kvflow.workers.engines.mocker_core import MockerConfig
+
+            kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
+                  **({"block_size": block_size} if block_size else {})}
+            prof = run_profile(engine, isls, concs, out, model=model or "mocker", config=MockerConfig(**kw))
+    except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except EngineError as exc:
+        typer.echo(f"the {engine} engine failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
     p, d = prof.prefill, prof.decode
     typer.echo(f"wrote {out}: {engine} prefill {len(p.isl)}x{len(p.concurrency)}, "
                f"decode {len(d.context_length)}x{len(d.concurrency)} grid")
+    if not no_plot:
+        png = plot_profile(prof, plot or out.with_suffix(".png"))
+        typer.echo(f"wrote {png}")
 
 
 @app.command()

@@ -96,6 +96,26 @@ JoinPortOpt = Annotated[Optional[int], typer.Option(
     "--port", help="Join the deployment serving on this port (its state file under --data-dir); unset: "
                    "the only one running.")]
 
+KvCacheGbOpt = Annotated[Optional[float], typer.Option(
+    min=0.01, help="vllm: KV cache per worker, GiB (vLLM's kv_cache_memory_bytes); unset: 1 on CPU, "
+                                 "vLLM's gpu_memory_utilization sizing on GPU.")]
+DtypeOpt = Annotated[str, typer.Option(
+    help="vllm: model dtype (auto | bfloat16 | float16 | float32); auto is vLLM's choice (bfloat16 for SmolLM2).")]
+CompileOpt = Annotated[Optional[bool], typer.Option(
+    "--compile/--eager", help="vllm: run the compiled model (torch.compile; CUDA graphs on GPU) or eager; "
+                              "unset: eager on CPU (start-up ~20 s instead of minutes), compiled on GPU.",
+    show_default=False)]
+
+
+def vllm_worker_args(kv_cache_gb: float | None, dtype: str, compiled: bool | None) -> list[str]:
+    """``kvflow worker`` arguments carrying the vllm options of ``kvflow up`` (only those set)."""
+    args = [] if dtype == "auto" else [f"--dtype={dtype}"]
+    if kv_cache_gb is not None:
+        args.append(f"--kv-cache-gb={kv_cache_gb}")
+    if compiled is not None:
+        args.append("--compile" if compiled else "--eager")
+    return args
+
 
 def _setting_name(field: str) -> str:
     info = Settings.model_fields.get(field)

@@ -243,6 +243,18 @@ class Settings(BaseSettings):
     kv_transfer_ttl_s: float = Field(default=60.0, gt=0)
     """Exposed KV not pulled within this many seconds is freed. Defaults to 60."""
 
+    vllm_kv_connector: Literal["auto", "NixlConnector", "ExampleConnector"] = "auto"
+    """vLLM prefill/decode workers: the vLLM KV connector that moves the KV
+    (:mod:`kvflow.workers.engines.vllm_disagg`). ``auto``: NixlConnector where
+    the ``nixl`` package imports and CUDA is available, else ExampleConnector
+    (files under ``vllm_kv_store_dir``; every platform, the CPU build included).
+    Defaults to ``auto``."""
+
+    vllm_kv_store_dir: str | None = None
+    """ExampleConnector's directory, shared by the prefill and decode workers
+    (one host or a shared mount); ``None``: ``<tmp>/kvflow-vllm-kv/<namespace>``.
+    Defaults to ``None``."""
+
     kv_transfer_nixl_progress_thread: bool = False
     """Run NIXL's own progress thread (busy-polls a core; for many-core GPU
     nodes). Defaults to ``False``."""

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Install (if needed) and run the test suite. Extra args go to pytest.
+# --vllm (first): also install vLLM (scripts/install.sh --vllm), so the vLLM tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+INSTALL_ARGS=()
+if [ "${1:-}" = "--vllm" ]; then
+  INSTALL_ARGS+=(--vllm)
+  shift
+fi
+bash scripts/install.sh "${INSTALL_ARGS[@]}"
 # Optional: NVIDIA aiperf in its own venv, for tests/test_aiperf.py (skipped without it).
 if [ "${KVFLOW_TEST_AIPERF:-0}" = "1" ] && [ -z "${KVFLOW_AIPERF:-}" ]; then
   if [ ! -x .venv-aiperf/bin/aiperf ]; then

@@ -40,6 +40,7 @@ from kvflow.schemas import (
     encode,
     now_ms,
 )
+from kvflow.streams.admin import send_admin_command
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -166,7 +167,7 @@ class DeadLetterReader:
 def router_assigned(router, catalog) -> bool:
     """The router's consumer group holds every partition of the topics its agents read."""
     specs = (catalog.requests, catalog.workers, catalog.kv_events, catalog.cancels, catalog.kv_dump_requests,
-             catalog.inflight)
+             catalog.inflight, catalog.control)
     wanted = {(s.name, p) for s in specs for p in range(s.partitions)}
     return wanted <= {(tp.topic, tp.partition) for tp in router.app.consumer.assignment()}
 
@@ -195,6 +196,7 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
         (catalog.kv_dump_requests.name, 0): d.router.router_id,
         (catalog.metrics.name, 0): "planner-sink",
         (catalog.cancels.name, 0): d.router.router_id,
+        (catalog.control.name, 0): d.router.router_id,
         (catalog.scaling.name, 0): "connector-recording",
     }
     assert {t for t, _ in targets} == {s.name for s in catalog.all() if s.name != catalog.dead_letter.name} - {
@@ -245,6 +247,11 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
                     final = event
         assert final is not None and final.finish_reason is FinishReason.abort and final.usage.completion_tokens < LONG // 10
 
+        # control (the worker's control consumer): an admin command is still answered.
+        answer = await send_admin_command(settings, d.worker.config.worker_id, "clear_kv", timeout_s=30,
+                                          catalog=catalog)
+        assert answer.ok, answer.detail
+
         # kv-dump-requests (worker) and kv-events (router projection):
         dumps: list[int] = []
         publish_dump = d.worker._publish_dump
@@ -288,6 +295,6 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
         assert per_target == {target: 2 for target in targets}, reader.summary()
         assert len({(x.source_topic, x.partition, x.offset) for x in reader.letters}) == len(reader.letters)
 
-    assert d.router.counters["dead_lettered"] == 12
+    assert d.router.counters["dead_lettered"] == 14
     assert d.worker.dlq.count == 2 and d.worker.malformed_cancels == 2
     assert d.sink.dlq.count == 2 and d.connector.dlq.count == 2

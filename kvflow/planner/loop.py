@@ -66,14 +66,15 @@ def load_profile(path: Path | str | None, engine: str = "mocker", **mocker_kwarg
     Raises:
         FileNotFoundError: no file at ``path``.
         pydantic.ValidationError: the file is not a profile.
-        NotImplementedError: no ``path`` and ``engine`` is ``hf`` or ``vllm``
-            (profile those engines yourself and pass the file).
+        NotImplementedError: no ``path`` and ``engine`` is ``hf`` or ``vllm``:
+            timing a real engine takes minutes, so it is never done implicitly
+            (``kvflow profile --engine hf|vllm`` writes the file to pass).
     """
     if path is not None:
         return Profile.load(path)
     if engine != "mocker":
         raise NotImplementedError(f"no profile given for the {engine!r} engine; only the mocker is profiled "
-                                  "automatically: pass a profile JSON file")
+                                  f"automatically: write one with `kvflow profile --engine {engine}` and pass it")
     from kvflow.workers.engines.mocker_core import MockerConfig
 
     return run_profile("mocker", config=MockerConfig(**mocker_kwargs))

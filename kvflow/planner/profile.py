@@ -245,7 +245,8 @@ def run_profile(engine: str = "mocker", isls: Sequence[int] = DEFAULT_ISLS,
     is switched off for the sweep so that every prompt token is computed.
 
     Args:
-        engine: ``"mocker"``; ``"hf"`` and ``"vllm"`` are not implemented yet.
+        engine: ``"mocker"`` (``"hf"`` and ``"vllm"``: see
+            :func:`kvflow.planner.engine_sweep.profile_engine`).
         isls: ascending token counts.
         concurrencies: ascending sequence counts.
         out_path: where to write the JSON (parents created); ``None`` to skip.
@@ -254,14 +255,12 @@ def run_profile(engine: str = "mocker", isls: Sequence[int] = DEFAULT_ISLS,
             defaults to ``MockerConfig()``.
 
     Raises:
-        NotImplementedError: ``engine`` is ``"hf"`` or ``"vllm"``.
-        ValueError: unknown engine, or axes not positive and strictly increasing.
+        ValueError: ``engine`` is not ``"mocker"``, or axes not positive and strictly increasing.
     """
     if engine in ("hf", "vllm"):
-        raise NotImplementedError(
-            f"profiling the {engine!r} engine is not implemented yet: it needs a live engine driven "
-            "through the ISL x concurrency grid. Profile with engine='mocker', or write the profile "
-            "JSON from your own measurements (see kvflow.planner.profile.Profile).")
+        raise ValueError(
+            f"the {engine!r} engine is timed live, not simulated: use "
+            f"kvflow.planner.engine_sweep.profile_engine (`kvflow profile --engine {engine}`)")
     if engine != "mocker":
         raise ValueError(f"unknown engine {engine!r}; choose mocker, hf or vllm")
     for name, axis in (("isls", isls), ("concurrencies", concurrencies)):

@@ -58,6 +58,8 @@ Faust agents (consumer group, so each record is handled once per group):
   projection of every replica skips them).
 - ``check_kv_dump_requests`` dead-letters malformed KV dump requests, which
   every worker also reads whole and skips.
+- ``check_control`` dead-letters malformed control records (engine admin
+  commands and answers), which every worker reads whole and skips.
 
 The whole-topic projections skip the records these agents dead-letter, so
 each malformed record reaches the dead-letter topic once per deployment,
@@ -86,6 +88,7 @@ from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
 from kvflow.schemas import (
     CancelRequest,
+    ControlRecord,
     DeadLetter,
     DecisionOutcome,
     DecisionRecord,
@@ -221,6 +224,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
     inflight_topic = app.topic(catalog.inflight.name, partitions=catalog.inflight.partitions, **raw)
     dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
+    control_topic = app.topic(catalog.control.name, partitions=catalog.control.partitions, **raw)
     counters = core.counters
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
@@ -250,6 +254,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
     app.agent(inflight_topic, name="check_inflight")(validator(InflightRecord))
     app.agent(dumps_topic, name="check_kv_dump_requests")(validator(KvDumpRequest))
+    app.agent(control_topic, name="check_control")(validator(ControlRecord))
 
     # ---- the log, folded into the core (every replica reads every record) ----
 

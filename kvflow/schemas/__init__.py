@@ -8,7 +8,14 @@ no pydantic object per event).
 """
 
 from kvflow.schemas.base import Record, RecordError, decode, encode, now_ms
-from kvflow.schemas.control import CancelReason, CancelRequest
+from kvflow.schemas.control import (
+    AdminAction,
+    AdminCommand,
+    AdminCommandApplied,
+    CancelReason,
+    CancelRequest,
+    ControlRecord,
+)
 from kvflow.schemas.dead_letter import DeadLetter
 from kvflow.schemas.decisions import CandidateCost, DecisionOutcome, DecisionRecord
 from kvflow.schemas.inflight import InflightRecord, RequestAdmitted, RequestFinished
@@ -49,6 +56,7 @@ from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
+    "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
     "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",

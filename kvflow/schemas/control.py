@@ -1,19 +1,28 @@
-"""Records on the cancels topic: asking workers to stop a request.
+"""Commands to workers: request cancels (cancels topic) and engine admin (control topic).
 
 A cancel is a command (imperative name, like :class:`KvDumpRequest`): the
 producer does not know which worker holds the request, so every worker reads
 every cancel and acts only on the request ids it holds.
+
+The control topic carries engine lifecycle commands addressed to one worker
+(:class:`AdminCommand`: sleep, wake, clear its KV cache) and the worker's
+answer to each (:class:`AdminCommandApplied`), keyed by worker id. Every
+worker reads the whole topic from its end at start-up and acts only on
+commands naming it; ``kvflow admin`` produces a command and waits for the
+answer with the same ``command_id``. What each action does is documented on
+:class:`AdminAction`.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
 from kvflow.schemas.base import Record
 
-__all__ = ["CancelReason", "CancelRequest"]
+__all__ = ["CancelReason", "CancelRequest", "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord"]
 
 
 class CancelReason(str, Enum):
@@ -48,3 +57,64 @@ class CancelRequest(Record):
     reason: CancelReason
     requested_by: str = Field(min_length=1, max_length=256)
     ts_ms: int = Field(ge=0)
+
+
+class AdminAction(str, Enum):
+    """An engine lifecycle action on one worker.
+
+    ``sleep``: the worker stops being routable (its heartbeats say
+    ``sleeping``), finishes the requests it holds, then puts its engine to
+    sleep, releasing the KV cache (an ``AllBlocksCleared`` KV event follows,
+    so routers drop its blocks) and, where the engine can, the weights
+    (``level`` 2; level 1 keeps them in host memory). ``wake``: the engine
+    reloads what sleep released and the worker is routable again.
+    ``clear_kv``: the engine drops every cached KV block (prefix cache
+    reset) and emits ``AllBlocksCleared``; it is refused while requests hold
+    blocks, as vLLM's prefix-cache reset is.
+    """
+
+    sleep = "sleep"
+    wake = "wake"
+    clear_kv = "clear_kv"
+
+
+class AdminCommand(Record):
+    """Apply ``action`` to worker ``worker_id``.
+
+    ``command_id`` is chosen by the producer and echoed in the
+    :class:`AdminCommandApplied` answer. ``level`` is the sleep level (1:
+    drop the KV cache and move the weights to host memory, 2: drop both; vLLM's
+    sleep levels), ignored by other actions. ``requested_by`` names the
+    producer (``cli:<host>:<pid>``); ``ts_ms`` is when it was produced (epoch ms).
+    """
+
+    type: Literal["command"] = "command"
+    command_id: str = Field(min_length=1, max_length=256)
+    worker_id: str = Field(min_length=1, max_length=256)
+    action: AdminAction
+    level: int = Field(default=1, ge=1, le=2)
+    requested_by: str = Field(default="", max_length=256)
+    ts_ms: int = Field(ge=0)
+
+
+class AdminCommandApplied(Record):
+    """A worker's answer to :class:`AdminCommand` ``command_id``.
+
+    ``ok`` is False when the worker could not apply it; ``detail`` says what
+    happened in either case (for sleep/wake: what the engine released or
+    reloaded; for a refused ``clear_kv``: why). ``duration_ms`` is the time
+    from receiving the command to this answer; ``ts_ms`` epoch ms.
+    """
+
+    type: Literal["applied"] = "applied"
+    command_id: str = Field(min_length=1, max_length=256)
+    worker_id: str = Field(min_length=1, max_length=256)
+    action: AdminAction
+    ok: bool
+    detail: str = ""
+    duration_ms: int = Field(default=0, ge=0)
+    ts_ms: int = Field(ge=0)
+
+
+ControlRecord = Annotated[Union[AdminCommand, AdminCommandApplied], Field(discriminator="type")]
+"""Any record of the control topic, told apart by ``type``."""

@@ -9,7 +9,9 @@ On the first hop ``disaggregated_params`` holds a :class:`PrefillStage`
 :class:`DecodeStage` (the prefill's first token, timings, and a
 :class:`TransferDescriptor` saying where the decode worker pulls the KV
 from). Only this metadata goes through Kafka; the KV bytes go over NIXL or
-TCP (:mod:`kvflow.workers.kv.transfer`). :meth:`PrefillStage.to_params` /
+TCP (:mod:`kvflow.workers.kv.transfer`), or through the engine's own KV
+connector (vLLM's, described by an :class:`EngineKvHandoff`).
+:meth:`PrefillStage.to_params` /
 :func:`parse_stage` convert to and from the plain dict the request carries.
 
 :class:`KvTransferInfo` is echoed on the final response so the bridge can
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 __all__ = [
     "TransferBackend",
     "KvRegion",
+    "EngineKvHandoff",
     "TransferDescriptor",
     "PrefillStage",
     "DecodeStage",
@@ -33,10 +36,11 @@ __all__ = [
     "parse_stage",
 ]
 
-TransferBackend = Literal["nixl", "tcp", "simulated", "none"]
+TransferBackend = Literal["nixl", "tcp", "simulated", "vllm", "none"]
 """How KV bytes move: NIXL (UCX underneath), kvflow's TCP fallback, a
-simulated transfer (mocker: a sleep of the modelled duration), or not at all
-(the decode worker prefilled itself)."""
+simulated transfer (mocker: a sleep of the modelled duration), vLLM's own KV
+connector (:class:`EngineKvHandoff`), or not at all (the decode worker
+prefilled itself)."""
 
 
 class KvRegion(BaseModel):
@@ -48,6 +52,28 @@ class KvRegion(BaseModel):
     address: int = Field(ge=0)
     num_bytes: int = Field(ge=0)
     device_id: int = Field(default=0, ge=0)
+
+
+class EngineKvHandoff(BaseModel):
+    """KV that the engine moves itself, through vLLM's KV connector API.
+
+    ``connector`` is the vLLM connector class both workers run
+    (``NixlConnector``: the decode engine reads the prefill engine's paged
+    blocks over NIXL; ``ExampleConnector``: the prefill engine writes each
+    layer's KV of the prompt's full blocks as files under a directory both
+    workers share, and the decode engine reads them back).
+    ``kv_transfer_params`` are the ``kv_transfer_params`` vLLM returned with
+    the prefill's output (NixlConnector: ``remote_engine_id``,
+    ``remote_host``/``remote_port`` of its side channel, ``remote_block_ids``,
+    ``remote_request_id``, ``tp_size``, ...), handed unchanged to the decode
+    request; None for connectors that find the KV by the prompt's tokens
+    (ExampleConnector). ``num_tokens`` is the prompt length.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    connector: str = Field(min_length=1)
+    kv_transfer_params: dict[str, Any] | None = None
+    num_tokens: int = Field(default=0, ge=0)
 
 
 class TransferDescriptor(BaseModel):
@@ -65,6 +91,9 @@ class TransferDescriptor(BaseModel):
     (base64 of ``nixl_agent.get_agent_metadata()``), the memory type
     (``DRAM`` or ``VRAM``) and the regions. ``expires_ms`` (epoch ms) is when
     the source frees the buffer if no reader released it.
+
+    Backend ``vllm``: kvflow moves nothing; ``engine_kv`` says how the
+    decode engine's KV connector finds the prefill's KV.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -84,6 +113,7 @@ class TransferDescriptor(BaseModel):
     nixl_mem_type: Literal["DRAM", "VRAM"] = "DRAM"
     regions: list[KvRegion] = Field(default_factory=list)
     expires_ms: int = 0
+    engine_kv: EngineKvHandoff | None = None
 
 
 class PrefillStage(BaseModel):

@@ -23,11 +23,15 @@ class WorkerStatus(str, Enum):
     """Lifecycle of a worker as the routing table sees it.
 
     ``serving`` takes new work; ``draining`` finishes in-flight work and takes
-    none; ``stopped`` is the last record a worker writes.
+    none; ``sleeping`` takes none until woken (an admin ``sleep``, see
+    :class:`~kvflow.schemas.control.AdminAction`; it may still finish the
+    requests it held when told to sleep); ``stopped`` is the last record a
+    worker writes. Only ``serving`` workers are routed to.
     """
 
     serving = "serving"
     draining = "draining"
+    sleeping = "sleeping"
     stopped = "stopped"
 
 

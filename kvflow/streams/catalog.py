@@ -15,6 +15,7 @@ from typing import Any
 
 from kvflow.schemas import (
     CancelRequest,
+    ControlRecord,
     DeadLetter,
     DecisionRecord,
     InferenceRequest,
@@ -131,6 +132,16 @@ class Catalog:
                 retention_ms=3600 * 1000, producers=("bridge", "client"), consumers=("worker",),
                 description="asks the worker holding a request to abort it (client gone or cancelled)",
             ),
+            # Engine admin commands (sleep, wake, clear KV) for one worker and
+            # that worker's answers, keyed by worker id. Every worker reads it
+            # whole from its end (no group) and acts on commands naming it;
+            # `kvflow admin` waits here for the answer. One partition: a few
+            # records per operator action.
+            "control": spec(
+                "control", partitions=1, key="worker_id", value_schema=ControlRecord,
+                retention_ms=24 * 3600 * 1000, producers=("cli", "worker"), consumers=("worker", "cli"),
+                description="engine admin commands to one worker (sleep, wake, clear KV) and its answers",
+            ),
             "scaling": spec(
                 "scaling", partitions=1, key="pool", value_schema=ScalingCommand,
                 producers=("planner",), consumers=("connector",),
@@ -197,6 +208,11 @@ class Catalog:
     def cancels(self) -> TopicSpec:
         """Request cancellations."""
         return self.topics["cancels"]
+
+    @property
+    def control(self) -> TopicSpec:
+        """Engine admin commands and answers."""
+        return self.topics["control"]
 
     @property
     def scaling(self) -> TopicSpec:

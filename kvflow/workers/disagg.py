@@ -24,9 +24,14 @@ use or pull the KV (no ``generate_from_kv``, layout mismatch, source gone,
 buffer expired), the decode worker prefills the prompt itself and reports
 ``recomputed``. A decode worker that ends a request without pulling its
 KV (cancelled or past its deadline on arrival) tells the source to free it
-(:func:`release_unpulled`). An engine without ``prefill`` (vLLM today, see
-:func:`vllm_kv_transfer_params`) forwards the request unchanged to the
-decode worker, which then prefills locally.
+(:func:`release_unpulled`). An engine without ``prefill`` forwards the
+request unchanged to the decode worker, which then prefills locally.
+
+vLLM moves the KV itself, through its KV connector API
+(:mod:`kvflow.workers.engines.vllm_disagg`): its prefill returns an
+:class:`~kvflow.schemas.transfer.EngineKvHandoff` (the connector's
+``kv_transfer_params``), which travels in the ``DecodeStage`` descriptor
+(backend ``vllm``) to the decode engine; kvflow's transport is not used.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from kvflow.workers.kv.transfer import TransferError
 if TYPE_CHECKING:
     from kvflow.workers.worker import Worker
 
-__all__ = ["serve_prefill", "serve_decode", "expose_kv", "release_unpulled", "vllm_kv_transfer_params"]
+__all__ = ["serve_prefill", "serve_decode", "expose_kv", "release_unpulled"]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +69,12 @@ async def expose_kv(worker: Worker, request: InferenceRequest, result: PrefillRe
     """Make ``result``'s KV pullable and describe it; None if that failed (logged).
 
     An engine without KV bytes (mocker) gets a ``simulated`` descriptor that
-    only states the modelled size.
+    only states the modelled size; an engine whose own connector moves the KV
+    (vLLM) a ``vllm`` descriptor carrying the connector's handoff.
     """
+    if result.engine_kv is not None:
+        return TransferDescriptor(transfer_id=request.request_id, source_worker_id=worker.config.worker_id,
+                                  backend="vllm", num_tokens=result.num_prompt_tokens, engine_kv=result.engine_kv)
     if result.kv is None:
         return TransferDescriptor(transfer_id=request.request_id, source_worker_id=worker.config.worker_id,
                                   backend="simulated", total_bytes=result.num_kv_bytes,
@@ -186,23 +195,3 @@ async def serve_decode(worker: Worker, request: InferenceRequest, stage: DecodeS
                                     cached_tokens=stage.num_cached_tokens, kv_transfer=info)
     finally:
         await handoff.release()
-
-
-def vllm_kv_transfer_params(descriptor: TransferDescriptor) -> dict[str, Any]:
-    """Translate a kvflow descriptor into vLLM's NIXL connector ``kv_transfer_params``.
-
-    Not implemented. vLLM's ``NixlConnector`` runs its own handshake: the
-    prefill request carries ``{"do_remote_decode": true}`` and
-    ``max_tokens = 1``; its output returns ``kv_transfer_params`` naming the
-    prefill engine (``remote_engine_id``, ``remote_host``, ``remote_port``
-    of its side channel) and its paged-KV ``remote_block_ids``; the decode
-    request passes them back with ``{"do_remote_prefill": true}`` and vLLM's
-    worker pulls the blocks over NIXL itself. Wiring that into kvflow means
-    passing those params through ``DecodeStage`` instead of a kvflow
-    descriptor; until then vLLM workers serve disaggregated requests by
-    prefilling locally (see the module docstring).
-
-    Raises:
-        NotImplementedError: always.
-    """
-    raise NotImplementedError("vLLM's NIXL connector handshake is not wired into kvflow yet")

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import uuid
+from typing import Any
 
 from kvflow.schemas import WorkerRole
 from kvflow.settings import Settings
@@ -23,8 +24,14 @@ log = logging.getLogger(__name__)
 
 def build_engine(engine: str, model: str, *, block_size: int | None = None, num_kv_blocks: int | None = None,
                  speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker",
-                 tokenizer: str | None = None) -> tuple[Engine, str, str]:
+                 tokenizer: str | None = None, kv_cache_gb: float | None = None, dtype: str = "auto",
+                 compiled: bool | None = None, kv_connector: Any = None) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
+
+    ``kv_cache_gb``, ``dtype`` and ``compiled`` are the vllm engine's
+    (:class:`~kvflow.workers.engines.vllm.VllmOptions`); other engines ignore them.
+    ``kv_connector``: the vLLM KV connector of a prefill or decode worker
+    (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -58,19 +65,35 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["num_kv_blocks"] = num_kv_blocks
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
     if engine == "vllm":
-        return make_engine("vllm", model=model), model, model
+        from kvflow.workers.engines.vllm import VllmOptions
+        from kvflow.models.resolve import resolve_model
+
+        resolved = resolve_model(model)
+        kw = {"block_size": block_size} if block_size else {}
+        options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled)
+        return (make_engine("vllm", model=str(resolved.path), options=options,
+                             kv_connector=kv_connector, **kw), resolved.name,
+                str(resolved.path))
     raise ValueError(f"engine {engine!r} is registered but has no worker options here")
 
 
 async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                      role: WorkerRole = WorkerRole.aggregated, worker_id: str | None = None,
                      block_size: int | None = None, num_kv_blocks: int | None = None,
-                     speedup_ratio: float = 1.0, device: str = "cpu", tokenizer: str | None = None) -> None:
-    """Run a worker until it is drained (SIGTERM/SIGINT) or stopped."""
+                     speedup_ratio: float = 1.0, device: str = "cpu", tokenizer: str | None = None,
+                     kv_cache_gb: float | None = None, dtype: str = "auto", compiled: bool | None = None) -> None:
+    """Run a worker until it is drained (SIGTERM/SIGINT) or stopped (engine options: :func:`build_engine`)."""
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
+    connector = None
+    if engine == "vllm":
+        from kvflow.workers.engines.vllm_disagg import connector_for_role
+
+        connector = connector_for_role(role, settings.vllm_kv_connector, settings.vllm_kv_store_dir,
+                                       settings.namespace)
     eng, served_name, tokenizer = build_engine(engine, model, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                                speedup_ratio=speedup_ratio, device=device, worker_id=worker_id,
-                                               tokenizer=tokenizer)
+                                               tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
+                                               compiled=compiled, kv_connector=connector)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role), eng)
     loop = asyncio.get_running_loop()

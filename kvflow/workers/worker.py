@@ -40,6 +40,11 @@ Disaggregated serving: a record whose ``disaggregated_params`` holds a stage
 worker owns one :class:`~kvflow.workers.kv.transfer.KvTransport`, created
 on first use (at start for prefill and decode workers whose engine has real
 KV), and a draining worker waits for its exposed KV to be pulled.
+
+Engine admin: the worker also reads the whole control topic (from its end)
+and applies the sleep, wake and clear-KV commands naming it
+(:mod:`kvflow.workers.admin`); while asleep it heartbeats ``sleeping`` and
+takes nothing from its queue.
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from kvflow.schemas import (
+    AdminCommand,
     CancelReason,
     CancelRequest,
+    ControlRecord,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -86,7 +93,7 @@ from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, p
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
-from kvflow.workers import disagg
+from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
@@ -146,8 +153,9 @@ class Worker:
         self.engine = engine
         self.catalog = catalog or Catalog(settings.namespace)
         self.queue_tp = TopicPartition(self.catalog.queue(config.role).name, config.slot)
-        # Control topics, read whole by every worker (assigned, no group): dump requests, then cancels.
+        # Control topics, read whole by every worker (assigned, no group): dump requests, admin commands, cancels.
         self.control_tps = [TopicPartition(self.catalog.kv_dump_requests.name, 0),
+                            TopicPartition(self.catalog.control.name, 0),
                             *(TopicPartition(self.catalog.cancels.name, p) for p in range(self.catalog.cancels.partitions))]
         if config.slot >= self.catalog.queue(config.role).partitions:
             raise ValueError(f"slot {config.slot} >= {self.catalog.queue(config.role).partitions} queue partitions")
@@ -179,6 +187,9 @@ class Worker:
         self._last_tokens = (time.monotonic(), 0, 0)
         self._transport: KvTransport | None = None
         self._transport_lock = asyncio.Lock()
+        self.queue_paused = False  # asleep (admin): take nothing from the queue
+        self.admin_lock = asyncio.Lock()  # one admin command at a time
+        self._admin_tasks: set[asyncio.Task] = set()
 
     # lifecycle -------------------------------------------------------------
 
@@ -219,9 +230,10 @@ class Worker:
         its cancel came earlier. Offsets, not timestamps, place the rewind:
         Tansu answers ``offsets_for_times`` with offset 0.
         """
-        dumps, *cancels = self.control_tps
-        await self.consumer.seek_to_end(dumps)
-        await self.consumer.position(dumps)
+        dumps, admin_tp, *cancels = self.control_tps
+        for tp in (dumps, admin_tp):  # commands sent before this worker existed were not for it
+            await self.consumer.seek_to_end(tp)
+            await self.consumer.position(tp)
         per_partition = max(1, CANCELS_REMEMBERED // len(cancels))
         ends = await self.consumer.end_offsets(cancels)
         starts = await self.consumer.beginning_offsets(cancels)
@@ -250,7 +262,14 @@ class Worker:
            the routers saw step 1 are still served.
         3. Wait (up to ``drain_timeout_s``) for in-flight requests to finish.
         4. :meth:`run` then publishes ``stopped`` and exits.
+
+        A sleeping worker holds no request and is routed none: it stops at once
+        (records still in its queue stay there for the next worker on the slot).
         """
+        if self.status is WorkerStatus.sleeping:
+            self.status = WorkerStatus.draining
+            self._stop.set()
+            return
         if self.status != WorkerStatus.serving:
             return
         self.status = WorkerStatus.draining
@@ -275,9 +294,9 @@ class Worker:
         self.status = WorkerStatus.stopped
         with contextlib.suppress(Exception):
             await self._heartbeat()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._admin_tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._admin_tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._flush_kv_events()
         await self.engine.stop()
@@ -292,7 +311,7 @@ class Worker:
     async def _consume_loop(self) -> None:
         while not self._stop.is_set():
             room = self.config.max_inflight - len(self.inflight)
-            if room <= 0:
+            if room <= 0 or self.queue_paused:
                 await asyncio.sleep(0.005)
                 continue
             # Records end the wait at once; the timeout only paces the stop check (each empty getmany costs CPU).
@@ -669,6 +688,10 @@ class Worker:
         await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
                                           key=self.config.worker_id.encode())
 
+    async def publish_heartbeat(self) -> None:
+        """Publish a heartbeat now (its status reaches routers without waiting for the next period)."""
+        await self._heartbeat()
+
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval_ms / 1000
         last_metrics = time.monotonic()
@@ -741,6 +764,17 @@ class Worker:
                     log.exception("control record %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
 
     async def _on_control(self, msg: Any) -> None:
+        if msg.topic == self.catalog.control.name:
+            try:
+                record = decode(ControlRecord, msg.value)
+            except RecordError:
+                return  # dead-lettered once by the router's check_control
+            if isinstance(record, AdminCommand) and record.worker_id == self.config.worker_id:
+                # A task: a sleep waits for in-flight requests, and cancels must keep flowing meanwhile.
+                task = asyncio.create_task(admin.apply(self, record), name=f"admin-{record.command_id}")
+                self._admin_tasks.add(task)
+                task.add_done_callback(self._admin_tasks.discard)
+            return
         if msg.topic == self.catalog.cancels.name:
             try:
                 record = decode(CancelRequest, msg.value)

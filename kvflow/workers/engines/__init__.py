@@ -11,11 +11,13 @@ from typing import Any
 
 from kvflow.workers.engines.base import Engine, EngineError
 from kvflow.workers.engines.capabilities import (
+    ClearsKvCache,
     DecodesFromKv,
     DumpsKvEvents,
     ExposesKvLayout,
     HasTokenizer,
     PrefillsAlone,
+    Sleeps,
 )
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "ExposesKvLayout",
     "HasTokenizer",
     "PrefillsAlone",
+    "Sleeps",
+    "ClearsKvCache",
 ]
 
 ENGINES: dict[str, str] = {

