@@ -73,12 +73,22 @@ def test_gpu_defaults_compiled_and_vllm_sizes_the_kv_cache():
 
 
 def test_options_and_extra_override_defaults():
-    args, _ = vllm_engine_args(EngineConfig(block_size=64, extra={"max_model_len": 1024, "dtype": "float32"}),
+    args, _ = vllm_engine_args(EngineConfig(block_size=64, extra={"max_model_len": 1024, "dtype": "float16"}),
                                VllmOptions(kv_cache_gb=0.25, dtype="bfloat16", compiled=True),
                                device_type="cpu", arg_names=NEW_ARGS)
     assert args["block_size"] == 64 and args["enforce_eager"] is False
     assert args["kv_cache_memory_bytes"] == 2**28 and args["max_model_len"] == 1024
-    assert args["dtype"] == "float32"  # extra is applied last
+    assert args["dtype"] == "float16"  # extra is applied last
+
+
+def test_compiled_on_cpu_runs_float32_unless_a_dtype_is_given():
+    def dtype(device: str, options: VllmOptions) -> str:
+        return vllm_engine_args(EngineConfig(), options, device_type=device, arg_names=NEW_ARGS)[0]["dtype"]
+
+    assert dtype("cpu", VllmOptions(compiled=True)) == "float32"
+    assert dtype("cpu", VllmOptions(compiled=True, dtype="bfloat16")) == "bfloat16"
+    assert dtype("cpu", VllmOptions()) == "auto"
+    assert dtype("cuda", VllmOptions()) == "auto"
 
 
 def test_older_releases_get_the_cpu_environment_knob_or_an_error_on_gpu():
