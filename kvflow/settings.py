@@ -59,12 +59,15 @@ class Settings(BaseSettings):
     namespace: str = "kvflow"
     """Prefix of every topic name and consumer group. Defaults to ``kvflow``."""
 
-    fetch_max_wait_ms: int = Field(default=10, ge=1)
+    fetch_max_wait_ms: int = Field(default=40, ge=1)
     """Fetch long-poll of a consumer of the embedded broker while records flow
-    (see :mod:`kvflow.streams.fetch_wait`). Each fetch of an idle partition
-    costs the broker CPU: on 4 mocker workers under the Mooncake slice, 10 ms
-    instead of 5 cut broker CPU by 18% at the same TTFT (docs/benchmarks.md,
-    "Live path"). Defaults to 10."""
+    (see :mod:`kvflow.streams.fetch_wait`). Every fetch costs the broker CPU
+    (~0.4 ms, more with more partitions), and on a small host that CPU is
+    taken from the serving processes: on 4 mocker workers under the Mooncake
+    slice (docs/benchmarks.md, "Live path"), 10 / 20 / 40 ms gave 1.33 / 1.06 /
+    0.83 CPU s per 1,000 output tokens and TTFT p50 523 / 483 / 454 ms. Each
+    hop between processes adds up to this much latency under traffic.
+    Defaults to 40."""
 
     fetch_idle_wait_ms: int = Field(default=1000, ge=1)
     """Longest fetch long-poll of an idle consumer of the embedded broker (the

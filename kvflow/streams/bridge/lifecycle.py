@@ -34,7 +34,7 @@ MODEL_WAIT_S = 0.5
 """Longest a request for a model not (yet) served waits for the worker
 projection to catch up before its 404/503: the projection's fetch is cut
 short (:func:`~kvflow.streams.fetch_wait.wake`), so a worker that has sent
-one heartbeat is seen within a few fetches of 10 ms."""
+one heartbeat is seen within a few short fetches."""
 
 
 @contextlib.asynccontextmanager
