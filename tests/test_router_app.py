@@ -1,6 +1,7 @@
 """The Faust router against the real embedded broker: routing table and routing."""
 
 import asyncio
+import contextlib
 
 import pytest
 from aiokafka import TopicPartition
@@ -35,6 +36,17 @@ async def router(kafka):
     await r.app.start()
     producer = make_producer(settings)
     await producer.start()
+    # Ready once it has answered a request: its agents read from the latest offset, so records sent
+    # before its consumer is positioned would never be seen (a probe for an unserved model gets a 503).
+    for attempt in range(30):  # a probe sent too early is never read: send another
+        probe = InferenceRequest(request_id=f"probe-{attempt}", model="probe", prompt="x",
+                                 reply_to=ReplyTo(topic=catalog.responses.name, partition=15))
+        await producer.send_and_wait(catalog.requests.name, encode(probe), key=b"probe")
+        with contextlib.suppress(TimeoutError):
+            await read_partition(settings, catalog.responses.name, 15, 1, timeout_s=2)
+            break
+    else:
+        raise AssertionError("the router answered no probe")
     yield r, producer
     await producer.stop()
     await r.app.stop()
@@ -142,7 +154,8 @@ async def test_queue_mode_holds_requests_releases_them_and_drops_cancelled_ones(
     producer = make_producer(settings)
     await producer.start()
     try:
-        busy = heartbeat(catalog, "w1", 4).model_copy(update={"kv_used_blocks": 60})  # 60 of 64 blocks: busy
+        # A long TTL: on a loaded machine the steps below can take longer than the usual 1.5 s.
+        busy = heartbeat(catalog, "w1", 4).model_copy(update={"kv_used_blocks": 60, "ttl_ms": 120_000})  # 60/64 used
         await producer.send_and_wait(catalog.workers.name, encode(busy), key=b"w1")
         await waiter(lambda: "w1" in r.table.workers)
         for rid, partition in (("held", 2), ("gone", 3)):
@@ -159,7 +172,7 @@ async def test_queue_mode_holds_requests_releases_them_and_drops_cancelled_ones(
         assert final.request_id == "gone" and final.finish_reason is FinishReason.abort
         assert len(r.queue) == 1 and r.counters["queue_cancelled"] == 1
 
-        free = heartbeat(catalog, "w1", 4, ts=busy.ts_ms + 1)  # the worker's KV use dropped
+        free = heartbeat(catalog, "w1", 4, ts=max(now_ms(), busy.ts_ms + 1))  # the worker's KV use dropped
         await producer.send_and_wait(catalog.workers.name, encode(free), key=b"w1")
         [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 4, 1)
         routed = decode(InferenceRequest, msg.value)
