@@ -139,3 +139,23 @@ async def read_final(settings, catalog, slot: int, request_id: str, timeout_s: f
         raise AssertionError(f"no final response for {request_id} within {timeout_s} s")
     finally:
         await consumer.stop()
+
+
+async def wait_router_ready(settings, catalog, producer, slot: int = 15, attempts: int = 30) -> None:
+    """Return once a started router has answered a probe request (an unserved model gets a 503).
+
+    The router's agents read from the latest offset: records sent before its consumer is
+    positioned are never seen, so a test that needs every record it sends read waits here first.
+    A probe sent too early is itself never answered, so another is sent every 2 s.
+    """
+    from kvflow.schemas import InferenceRequest, ReplyTo, encode
+
+    for attempt in range(attempts):
+        rid = f"probe-{attempt}"
+        probe = InferenceRequest(request_id=rid, model="probe", prompt="x",
+                                 reply_to=ReplyTo(topic=catalog.responses.name, partition=slot))
+        await producer.send_and_wait(catalog.requests.name, encode(probe), key=rid.encode())
+        with contextlib.suppress(AssertionError):
+            await read_final(settings, catalog, slot, rid, timeout_s=2.0)
+            return
+    raise AssertionError("the router answered no probe")

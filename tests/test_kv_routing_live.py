@@ -4,6 +4,7 @@ a restarted router that rebuilds the same index, and prefix reuse end to end."""
 import asyncio
 
 import httpx
+from deployment import wait_router_ready
 from aiokafka import TopicPartition
 
 from kvflow.router.app import build_router_app
@@ -187,6 +188,7 @@ async def test_binary_kv_events_fold_and_malformed_ones_are_dead_lettered_once(k
     assert valid.count(b"\xa1v\x02") == 1 and bad["short_hash_array"].count(b"\xc4\x0f") == 1
     router = await start_router(settings, catalog, "wire")  # its validator reads from the end, as in production
     try:
+        await wait_router_ready(settings, catalog, producer)
         for key, value in good[:2]:
             await producer.send_and_wait(catalog.kv_events.name, value, key=key)
         for name, value in bad.items():

@@ -1,9 +1,9 @@
 """The Faust router against the real embedded broker: routing table and routing."""
 
 import asyncio
-import contextlib
 
 import pytest
+from deployment import wait_router_ready
 from aiokafka import TopicPartition
 
 from kvflow.router.app import build_router_app
@@ -36,17 +36,7 @@ async def router(kafka):
     await r.app.start()
     producer = make_producer(settings)
     await producer.start()
-    # Ready once it has answered a request: its agents read from the latest offset, so records sent
-    # before its consumer is positioned would never be seen (a probe for an unserved model gets a 503).
-    for attempt in range(30):  # a probe sent too early is never read: send another
-        probe = InferenceRequest(request_id=f"probe-{attempt}", model="probe", prompt="x",
-                                 reply_to=ReplyTo(topic=catalog.responses.name, partition=15))
-        await producer.send_and_wait(catalog.requests.name, encode(probe), key=b"probe")
-        with contextlib.suppress(TimeoutError):
-            await read_partition(settings, catalog.responses.name, 15, 1, timeout_s=2)
-            break
-    else:
-        raise AssertionError("the router answered no probe")
+    await wait_router_ready(settings, catalog, producer)
     yield r, producer
     await producer.stop()
     await r.app.stop()
