@@ -13,7 +13,7 @@ they take a request from their queue (:class:`~kvflow.schemas.RequestAdmitted`)
 and when it ends there (:class:`~kvflow.schemas.RequestFinished`: finished,
 failed, stopped or cancelled alike), keyed by worker id, numbered per worker
 incarnation by ``seq``. Every router replica reads the whole topic
-(:func:`kvflow.router.projections.follow_topic`), so the requests every
+(:func:`kvflow.router.projections.follow_topics`), so the requests every
 worker holds are a fold of one log, the same on every replica, including
 requests another replica routed. Why the worker publishes admissions too,
 and not only completions: replicas of a router split the request stream

@@ -22,7 +22,7 @@ from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, make_consumer
 
-__all__ = ["Follow", "follow_topic", "follow_topics"]
+__all__ = ["Follow", "follow_topics"]
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ class Follow:
     hot: bool = True
 
 
-async def follow_topics(settings: Settings, follows: list[Follow], *, idle_wait_ms: int | None = None,
-                        policies: list | None = None) -> None:
+async def follow_topics(settings: Settings, follows: list[Follow], *, policies: list | None = None) -> None:
     """Feed every record of each followed topic (all partitions, from offset 0)
     to its handler, through one consumer, forever.
 
@@ -56,16 +55,14 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, idle_wait_
     ``kv-events`` before ``inflight``, so a finish record usually finds its
     KV events already folded). Every ``caught_up`` is set after the first
     fetch that returns nothing. Handler errors are logged and skipped (the
-    handler is expected to dead-letter bad records itself).
-    ``idle_wait_ms`` caps the fetch wait when quiet; the consumer's
+    handler is expected to dead-letter bad records itself). The consumer's
     :class:`~kvflow.streams.fetch_wait.FetchWaitPolicy` (if any) is appended
     to ``policies``, so the caller can wake it. Runs until cancelled.
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
     hot_topics = {f.spec.name for f in follows if f.hot}
-    policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT,
-                              idle_ms=idle_wait_ms)
+    policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT)
     if policy is not None and policies is not None:
         policies.append(policy)
     order = {f.spec.name: i for i, f in enumerate(follows)}
@@ -88,15 +85,7 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, idle_wait_
                     try:
                         await handler(msg)
                     except Exception:  # noqa: BLE001 - a projection must outlive any one record
-                        log.exception("projection of %s failed on %s[%d]@%d", msg.topic, msg.topic,
-                                      msg.partition, msg.offset)
+                        log.exception("projection failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
     finally:
         await consumer.stop()
 
-
-async def follow_topic(settings: Settings, spec: TopicSpec, handler: Handler,
-                       caught_up: asyncio.Event | None = None, *, hot: bool = True,
-                       idle_wait_ms: int | None = None, policies: list | None = None) -> None:
-    """:func:`follow_topics` for one topic."""
-    await follow_topics(settings, [Follow(spec, handler, caught_up, hot)], idle_wait_ms=idle_wait_ms,
-                        policies=policies)
