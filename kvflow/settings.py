@@ -69,11 +69,15 @@ class Settings(BaseSettings):
     hop between processes adds up to this much latency under traffic.
     Defaults to 40."""
 
-    fetch_idle_wait_ms: int = Field(default=1000, ge=1)
+    fetch_idle_wait_ms: int = Field(default=5000, ge=1, le=30_000)
     """Longest fetch long-poll of an idle consumer of the embedded broker (the
-    wait doubles each second of quiet up to this): bounds the extra latency of
-    the first record after a long quiet spell, per hop, and sets the idle CPU
-    cost. Defaults to 1000."""
+    wait doubles each second of quiet up to this). Producers cut such polls
+    short in their own process and, through the doorbell
+    (:mod:`kvflow.streams.doorbell`), in the other processes of the host, so
+    this sets the idle CPU cost; it bounds the extra latency of the first
+    record after a quiet spell only on a hop no producer rings. At most 30,000:
+    a consumer's fetch request times out after 40 s (aiokafka's
+    ``request_timeout_ms``). Defaults to 5000."""
 
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
@@ -92,6 +96,14 @@ class Settings(BaseSettings):
 
     worker_ttl_ms: int = Field(default=5000, ge=500)
     """A worker silent this long is expired from the routing table. Defaults to 5000."""
+
+    heartbeat_idle_ms: int | None = Field(default=None, ge=100)
+    """Heartbeat period of an idle worker (no request held) whose state has not
+    changed; a change (status, load, KV usage) is published within
+    ``heartbeat_interval_ms``. An idle heartbeat announces a TTL longer by the
+    difference of the two periods, so the silence tolerated after a missed
+    beat is the same as when busy. Defaults to ``None``:
+    5 × ``heartbeat_interval_ms``."""
 
     routing_policy: str = "kv"
     """Router policy name (see :mod:`kvflow.router.policies`). Defaults to ``kv``: the

@@ -220,7 +220,7 @@ class KvflowClient:
         else:
             self._consumer.seek(self._tp, offset)
         self._next_offset = await self._consumer.position(self._tp)
-        adapt_fetch_wait(self._consumer, self.settings)
+        adapt_fetch_wait(self._consumer, self.settings, busy=self._pending.__len__)  # streams in flight: poll fast
         self._progress = time.monotonic()
 
     async def stop(self) -> None:
@@ -364,6 +364,7 @@ class KvflowClient:
         record = CancelRequest(request_id=request_id, reason=reason, ts_ms=now_ms(),
                                requested_by=requested_by or f"{self.name}:{self.slot}")
         await self._producer.send_and_wait(self.catalog.cancels.name, encode(record), key=request_id.encode())
+        produced(self.catalog.cancels.name)  # the worker running it may be parked in a long poll
 
     def stream(self, request: InferenceRequest, *, key: str | None = None) -> "ResponseStream":
         """Send ``request`` (partition ``key`` as in :meth:`submit`) and iterate its

@@ -24,7 +24,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
-from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers
+from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers, liveness_idle_wait_ms
 
 __all__ = ["kafka_bridge_state"]
 
@@ -69,7 +69,8 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast
+        # Heartbeats do not make it poll fast; its idle wait is bounded by what liveness tolerates.
+        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=liveness_idle_wait_ms(settings))
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry.apply)
         applied = asyncio.Event()
