@@ -62,7 +62,7 @@ def test_frequency_decays_with_time():
     store.offload([blk(1)], now_s=0)
     store.record_hits([1, 1], now_s=0)
     assert store.frequency(1, 0) == 4 and store.frequency(1, 10) == pytest.approx(2)
-    store.offload([blk(2)], now_s=10)  # 1 leaves G2 with frequency 2 < 4
+    store.offload([blk(2)], now_s=10)  # 1 leaves G2 with frequency 2 < 3
     assert store.tier_of(1) is None
 
 

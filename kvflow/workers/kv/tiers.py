@@ -25,8 +25,10 @@ time has frequency 1; every reuse (a prefix hit in any tier, reported with
 :meth:`TieredStore.record_hits` or counted by :meth:`TieredStore.onboard`)
 doubles it; it halves every ``half_life_s`` seconds without use
 (``f(t) = f0 · 2^-(t - t0)/half_life_s``). A block goes to disk when its
-frequency is at least ``disk_min_frequency`` (4: two reuses within about a
-half-life), so one-off prompts never cost disk writes.
+frequency is at least ``disk_min_frequency``, 3 by default: one reuse (at
+most 2) never qualifies, two reuses (4) do while they are less than
+``log2(4/3)`` ≈ 0.41 half-lives old, and more reuses qualify for longer. So
+one-off prompts never cost disk writes.
 
 Capacities are never exceeded: before a block enters a tier, that tier
 evicts least-recently-used blocks until the new one fits; a block larger
@@ -34,8 +36,10 @@ than a whole tier skips it.
 
 Every change is recorded as a KV event with its tier
 (``BlockStored``/``BlockRemoved`` with ``tier=host`` or ``disk``), which the
-engine publishes with its device events; consecutive blocks of one chain
-share an event. Counters are in :class:`TierStats`.
+engine publishes with its device events; between two
+:meth:`TieredStore.take_events` only the net change is reported (a block
+that came and went is reported removed), and consecutive blocks of one
+chain share an event. Counters are in :class:`TierStats`.
 
 Pure logic: no clock (callers pass ``now_s``), no I/O except through the disk
 backend; not thread-safe.
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvflow.schemas import BlockRemoved, BlockStored, KvEvent, KvTier
@@ -67,7 +71,7 @@ class TierConfig:
             Defaults to ``600`` (kvflow's choice: users of the Mooncake
             conversation trace come back to a conversation after minutes).
         disk_min_frequency: frequency a block needs to be written to disk.
-            Defaults to ``4.0`` (two reuses; see the module docstring).
+            Defaults to ``3.0`` (two recent reuses; see the module docstring).
         max_tracked: most blocks whose frequency is remembered (oldest
             forgotten first). Defaults to ``1 << 20``.
 
@@ -78,7 +82,7 @@ class TierConfig:
     host_bytes: int = 0
     disk_bytes: int = 0
     half_life_s: float = 600.0
-    disk_min_frequency: float = 4.0
+    disk_min_frequency: float = 3.0
     max_tracked: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -161,27 +165,55 @@ class _Entry:
     nbytes: int
 
 
-@dataclass
 class _Events:
-    """KV events of one call, consecutive chain blocks of one tier and kind grouped."""
+    """Net KV events of the host and disk tiers since the last :meth:`take`.
 
-    out: list[KvEvent] = field(default_factory=list)
-    _run: list[int] = field(default_factory=list)
-    _key: tuple | None = None  # (kind, tier, parent of the run)
+    Only the net change is kept: a block stored then removed in the same
+    window is reported removed (harmless if the consumer never saw it), one
+    removed then stored is reported stored. :meth:`take` gives per tier one
+    ``BlockRemoved`` and ``BlockStored`` events grouped into parent chains:
+    few events per engine step however many blocks moved.
+    """
 
-    def add(self, kind: str, tier: KvTier, block_hash: int, parent: int | None) -> None:
-        if self._run and self._key[:2] == (kind, tier) and (kind == "removed" or parent == self._run[-1]):
-            self._run.append(block_hash)
-            return
-        self.flush()
-        self._key, self._run = (kind, tier, parent), [block_hash]
+    def __init__(self) -> None:
+        self._stored: dict[KvTier, dict[int, int | None]] = {KvTier.host: {}, KvTier.disk: {}}
+        self._removed: dict[KvTier, dict[int, None]] = {KvTier.host: {}, KvTier.disk: {}}
 
-    def flush(self) -> None:
-        if self._run:
-            kind, tier, parent = self._key
-            self.out.append(BlockStored(parent_block_hash=parent, block_hashes=self._run, tier=tier)
-                            if kind == "stored" else BlockRemoved(block_hashes=self._run, tier=tier))
-            self._run = []
+    def stored(self, tier: KvTier, block_hash: int, parent: int | None) -> None:
+        self._removed[tier].pop(block_hash, None)
+        self._stored[tier][block_hash] = parent
+
+    def removed(self, tier: KvTier, block_hash: int) -> None:
+        self._stored[tier].pop(block_hash, None)
+        self._removed[tier][block_hash] = None
+
+    def take(self) -> list[KvEvent]:
+        out: list[KvEvent] = []
+        for tier in (KvTier.host, KvTier.disk):
+            removed, stored = self._removed[tier], self._stored[tier]
+            if removed:
+                out.append(BlockRemoved(block_hashes=list(removed), tier=tier))
+                removed.clear()
+            out += _chains(stored, tier)
+            stored.clear()
+        return out
+
+
+def _chains(blocks: dict[int, int | None], tier: KvTier) -> list[KvEvent]:
+    """``BlockStored`` events for ``blocks`` (hash -> parent, in order), one per run of a chain."""
+    out: list[KvEvent] = []
+    run: list[int] = []
+    run_parent: int | None = None
+    for h, parent in blocks.items():
+        if run and parent == run[-1]:
+            run.append(h)
+            continue
+        if run:
+            out.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, tier=tier))
+        run, run_parent = [h], parent
+    if run:
+        out.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, tier=tier))
+    return out
 
 
 class TieredStore:
@@ -297,12 +329,12 @@ class TieredStore:
             self._host_used += b.nbytes
             self.stats.offloaded_blocks += 1
             self.stats.offloaded_bytes += b.nbytes
-            self._events.add("stored", KvTier.host, b.block_hash, b.parent_hash)
+            self._events.stored(KvTier.host, b.block_hash, b.parent_hash)
 
     def _evict_host(self, now_s: float) -> None:
         h, e = self._host.popitem(last=False)
         self._host_used -= e.nbytes
-        self._events.add("removed", KvTier.host, h, None)
+        self._events.removed(KvTier.host, h)
         self._demote(h, e, now_s)
 
     def _demote(self, block_hash: int, e: _Entry, now_s: float) -> None:
@@ -327,13 +359,13 @@ class TieredStore:
         self._disk_used += size
         self.stats.demoted_blocks += 1
         self.stats.demoted_bytes += size
-        self._events.add("stored", KvTier.disk, block_hash, e.parent)
+        self._events.stored(KvTier.disk, block_hash, e.parent)
 
     def _drop_disk(self, block_hash: int) -> None:
         e = self._disk.pop(block_hash)
         self._disk_used -= e.nbytes
         self.disk.delete(block_hash)
-        self._events.add("removed", KvTier.disk, block_hash, None)
+        self._events.removed(KvTier.disk, block_hash)
 
     # ---- onboard ---------------------------------------------------------
 
@@ -378,23 +410,17 @@ class TieredStore:
 
     def take_events(self) -> list[KvEvent]:
         """Host and disk KV events since the last call, in order; clears them."""
-        self._events.flush()
-        events, self._events.out = self._events.out, []
-        return events
+        return self._events.take()
 
     def dump(self) -> list[KvEvent]:
         """``BlockStored`` events for every block held now, host then disk (resync)."""
-        ev = _Events()
-        for tier, blocks in ((KvTier.host, self._host), (KvTier.disk, self._disk)):
-            for h, e in blocks.items():
-                ev.add("stored", tier, h, e.parent)
-        ev.flush()
-        return ev.out
+        return [*_chains({h: e.parent for h, e in self._host.items()}, KvTier.host),
+                *_chains({h: e.parent for h, e in self._disk.items()}, KvTier.disk)]
 
     def clear(self) -> None:
         """Drop every block of both tiers (their files too), with ``BlockRemoved`` events."""
         for h in list(self._host):
-            self._events.add("removed", KvTier.host, h, None)
+            self._events.removed(KvTier.host, h)
         self._host.clear()
         self._host_used = 0
         for h in list(self._disk):
