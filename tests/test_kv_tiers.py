@@ -144,3 +144,12 @@ def test_config_from_gb_and_validation():
         TierConfig(host_bytes=-1)
     with pytest.raises(ValueError):
         TierConfig(half_life_s=0)
+
+
+def test_events_group_chains_whatever_the_eviction_order():
+    store = TieredStore(TierConfig(host_bytes=10 * NB))
+    store.offload([blk(3, 2), blk(2, 1), blk(1, None), blk(9, 8)], now_s=0)  # leaf first, and an orphan
+    assert store.take_events() == [
+        BlockStored(parent_block_hash=None, block_hashes=[1, 2, 3], tier=KvTier.host),
+        BlockStored(parent_block_hash=8, block_hashes=[9], tier=KvTier.host),
+    ]

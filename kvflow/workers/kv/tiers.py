@@ -200,19 +200,31 @@ class _Events:
 
 
 def _chains(blocks: dict[int, int | None], tier: KvTier) -> list[KvEvent]:
-    """``BlockStored`` events for ``blocks`` (hash -> parent, in order), one per run of a chain."""
-    out: list[KvEvent] = []
-    run: list[int] = []
-    run_parent: int | None = None
+    """``BlockStored`` events for ``blocks`` (hash -> parent), one per chain run, parents first.
+
+    Runs follow parent links whatever order the blocks came in (an LRU
+    evicts a chain leaf first).
+    """
+    child: dict[int | None, int] = {}
     for h, parent in blocks.items():
-        if run and parent == run[-1]:
-            run.append(h)
-            continue
-        if run:
-            out.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, tier=tier))
-        run, run_parent = [h], parent
-    if run:
-        out.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, tier=tier))
+        child.setdefault(parent, h)
+    out: list[KvEvent] = []
+    done: set[int] = set()
+    for h, parent in blocks.items():
+        if h in done or (parent in blocks and parent not in done):
+            continue  # emitted already, or reached from its parent's run
+        run = [h]
+        done.add(h)
+        nxt = child.get(h)
+        while nxt is not None and nxt not in done and blocks[nxt] == run[-1]:
+            run.append(nxt)
+            done.add(nxt)
+            nxt = child.get(nxt)
+        out.append(BlockStored(parent_block_hash=parent, block_hashes=run, tier=tier))
+    for h, parent in blocks.items():  # blocks only reachable through a cycle of parents (not real chains)
+        if h not in done:
+            done.add(h)
+            out.append(BlockStored(parent_block_hash=parent, block_hashes=[h], tier=tier))
     return out
 
 
