@@ -96,3 +96,27 @@ def test_recomputed_prefill_tokens_counted_across_workers():
     assert w2.recomputed_prefill_tokens == 6 * BS
     serve(w1, req("a3", a))  # a cache hit on w1: nothing recomputed
     assert w1.recomputed_prefill_tokens == 0
+
+
+def test_tier_metrics_for_the_worker_record():
+    from kvflow.schemas import KvTierMetrics, WorkerMetrics, decode, encode
+    from kvflow.workers.engines.mocker import MockerEngine
+
+    engine = MockerEngine(small(kv_host_bytes=64 * BLOCK_BYTES))
+    assert MockerEngine(small()).kv_tier_metrics() is None
+    core = engine.core
+    a = prompt(6 * BS + 3, seed=1)
+    serve(core, req("a1", a))
+    serve(core, req("b", prompt(7 * BS + 3, seed=2)))
+    serve(core, req("a2", a))
+    m = engine.kv_tier_metrics()
+    assert m.onboarded_host_blocks == 6 and m.onboarded_host_bytes == 6 * BLOCK_BYTES
+    assert m.offloaded_blocks >= 6 and m.host_used_bytes == m.offloaded_bytes  # nothing left G2 yet
+    assert m.host_hit_rate == pytest.approx(6 / 19) and m.device_hit_rate == 0.0  # 6 + 7 + 6 blocks looked up
+    assert m.onboard_ms == pytest.approx(kv_onboard_time_ms(core.config, 6, 0))
+    record = WorkerMetrics(ts_ms=1, worker_id="w", role="aggregated", active_requests=0, waiting_requests=0,
+                           kv_used_blocks=0, kv_total_blocks=8, kv_tiers=m)
+    assert decode(WorkerMetrics, encode(record)).kv_tiers == m
+    old = WorkerMetrics(ts_ms=1, worker_id="w", role="aggregated", active_requests=0, waiting_requests=0,
+                        kv_used_blocks=0, kv_total_blocks=8)
+    assert decode(WorkerMetrics, encode(old)).kv_tiers is None and isinstance(m, KvTierMetrics)

@@ -83,12 +83,12 @@ import torch.nn.functional as F
 
 from kvflow.models.resolve import resolve_model
 from kvflow.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
+from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent, KvTierMetrics
 from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.disk import FileDisk
 from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
-from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore, TierStats
+from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore, TierStats, tier_metrics
 from kvflow.workers.kv.transfer import TransferError
 from kvflow.workers.stops import StopChecker
 
@@ -437,6 +437,10 @@ class HfEngine(Engine):
     def tier_stats(self) -> TierStats | None:
         """Offload/onboard counters of the KV tiers (None without tiers)."""
         return self._tiers.stats if self._tiers is not None else None
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """The G2/G3 counters for the worker's metrics record (None without tiers)."""
+        return tier_metrics(self._tiers) if self._tiers is not None else None
 
     async def stop(self) -> None:
         """Finish the current step, stop the loop, end every open request with ``abort``."""

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 
 from kvflow.aio import cancel_and_wait
-from kvflow.schemas import FinishReason, KvEvent
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics
 from kvflow.workers.engines.base import (
     Engine,
     EngineConfig,
@@ -42,6 +42,7 @@ from kvflow.workers.engines.base import (
 )
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
+from kvflow.workers.kv.tiers import tier_metrics
 
 __all__ = ["MockerEngine"]
 
@@ -290,8 +291,12 @@ class MockerEngine(Engine):
         return self.core.stats(self._in_flight)
 
     def dump_kv_events(self) -> list[KvEvent]:
-        """``BlockStored`` events for every cached block (for a KV resync)."""
+        """``BlockStored`` events for every cached block, every tier (for a KV resync)."""
         return self.core.dump_kv_events()
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """The core's modelled G2/G3 counters (None without tiers)."""
+        return tier_metrics(self.core.tiers) if self.core.tiers is not None else None
 
     # ---- admin -----------------------------------------------------------
 

@@ -517,7 +517,9 @@ class MockerCore:
             except NoFreeBlocks:
                 break
             committed, on_host, on_disk = hits, 0, 0
-            if tiers is not None and hits:
+            if tiers is not None and not seq.imported:
+                tiers.stats.lookup_blocks += len(hit_hashes)
+                tiers.stats.device_hit_blocks += hits
                 tiers.record_hits(hit_hashes[:hits], self.now_s)
             if lower:
                 got = tiers.onboard(hit_hashes[hits:hits + len(lower)], self.now_s)

@@ -52,10 +52,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.schemas import BlockRemoved, BlockStored, KvEvent, KvTier
+from kvflow.schemas import BlockRemoved, BlockStored, KvEvent, KvTier, KvTierMetrics
 from kvflow.workers.kv.disk import DiskBackend, ModelDisk
 
-__all__ = ["Onboarded", "OffloadedBlock", "TierConfig", "TierStats", "TieredStore"]
+__all__ = ["Onboarded", "OffloadedBlock", "TierConfig", "TierStats", "TieredStore", "tier_metrics"]
 
 _GB = 1 << 30
 
@@ -437,3 +437,16 @@ class TieredStore:
         self._host_used = 0
         for h in list(self._disk):
             self._drop_disk(h)
+
+
+def tier_metrics(store: TieredStore) -> KvTierMetrics:
+    """``store``'s counters as the metrics record's :class:`~kvflow.schemas.KvTierMetrics`."""
+    st = store.stats
+    rates = st.hit_rates()
+    return KvTierMetrics(
+        offloaded_blocks=st.offloaded_blocks, offloaded_bytes=st.offloaded_bytes, demoted_blocks=st.demoted_blocks,
+        demoted_bytes=st.demoted_bytes, onboarded_host_blocks=st.onboarded_host_blocks,
+        onboarded_host_bytes=st.onboarded_host_bytes, onboarded_disk_blocks=st.onboarded_disk_blocks,
+        onboarded_disk_bytes=st.onboarded_disk_bytes, disk_corrupt_blocks=st.disk_corrupt_blocks,
+        device_hit_rate=rates["device"], host_hit_rate=rates["host"], disk_hit_rate=rates["disk"],
+        onboard_ms=st.onboard_ms, host_used_bytes=store.host_used_bytes, disk_used_bytes=store.disk_used_bytes)
