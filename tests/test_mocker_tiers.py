@@ -120,3 +120,32 @@ def test_tier_metrics_for_the_worker_record():
     old = WorkerMetrics(ts_ms=1, worker_id="w", role="aggregated", active_requests=0, waiting_requests=0,
                         kv_used_blocks=0, kv_total_blocks=8)
     assert decode(WorkerMetrics, encode(old)).kv_tiers is None and isinstance(m, KvTierMetrics)
+
+
+def test_router_index_follows_the_tiers_from_kv_events():
+    from kvflow.router.index import KvIndex
+
+    cfg = small(kv_host_bytes=3 * BLOCK_BYTES, kv_disk_bytes=64 * BLOCK_BYTES)
+    core = MockerCore(cfg)
+    index = KvIndex(BS)
+    rng = random.Random(3)
+    prompts = [prompt(rng.randrange(2, 7) * BS + 3, seed=rng.randrange(4)) for _ in range(40)]
+    for i, p in enumerate(prompts):
+        core.add_request(req(f"r{i}", p))
+        while core.has_work():
+            index.on_kv_events("w", core.step(now_ms=i * 1000.0).kv_events)
+    assert index.held("w", KvTier.host) == core.tiers.held(KvTier.host)
+    assert index.held("w", KvTier.disk) == core.tiers.held(KvTier.disk)
+    assert index.num_blocks("w", KvTier.device) == core.pool.num_cached_blocks
+    assert core.tiers.num_blocks(KvTier.disk) > 0  # prompts repeat, so some blocks were reused enough for G3
+    # The index credits each prompt block to the fastest tier holding it.
+    for p in prompts[:8]:
+        expected = {"device": 0, "host": 0, "disk": 0}
+        for h in core_hashes(p):
+            tier = "device" if core.pool.lookup([h]) else (core.tiers.tier_of(h) or None)
+            if tier is None:
+                break
+            expected[KvTier(tier).value] += 1
+        scores = index.find_matches(core_hashes(p))
+        got = {t: getattr(scores, t).get("w", 0) for t in ("device", "host", "disk")}
+        assert got == expected
