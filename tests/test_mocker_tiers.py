@@ -149,3 +149,18 @@ def test_router_index_follows_the_tiers_from_kv_events():
         scores = index.find_matches(core_hashes(p))
         got = {t: getattr(scores, t).get("w", 0) for t in ("device", "host", "disk")}
         assert got == expected
+
+
+async def test_clear_kv_cache_drops_the_lower_tiers_too():
+    from kvflow.schemas import AllBlocksCleared
+    from kvflow.workers.engines.mocker import MockerEngine
+
+    engine = MockerEngine(small(kv_host_bytes=64 * BLOCK_BYTES))
+    events: list = []
+    engine.kv_event_sink = events.extend
+    serve(engine.core, req("a", prompt(6 * BS + 3, seed=1)))
+    serve(engine.core, req("b", prompt(7 * BS + 3, seed=2)))
+    assert engine.core.tiers.num_blocks(KvTier.host) > 0
+    ok, _ = await engine.clear_kv_cache()
+    assert ok and engine.core.tiers.num_blocks(KvTier.host) == 0 and engine.core.tiers.host_used_bytes == 0
+    assert events == [AllBlocksCleared()]

@@ -310,9 +310,13 @@ class MockerEngine(Engine):
         return None
 
     def _reset_pool(self) -> int:
-        """Drop every cached block now; emits ``AllBlocksCleared``. Returns the blocks dropped."""
+        """Drop every cached block now, host and disk tiers too (``AllBlocksCleared`` covers
+        every tier). Returns the device blocks dropped."""
         dropped = self.core.pool.num_cached_blocks
         self.core.pool.reset()
+        if self.core.tiers is not None:
+            self.core.tiers.clear()
+            self.core.tiers.take_events()  # AllBlocksCleared already tells consumers
         self.emit_kv_events(self.core.pool.take_events())
         return dropped
 
