@@ -119,3 +119,15 @@ async def test_corrupt_disk_block_is_recomputed(engine):
     assert tokens == reference  # same greedy output: the damaged block was recomputed, not served
     assert tiers.stats.disk_corrupt_blocks == before + 1
     assert cached < usable * BS  # the prefix stopped at (or before) the damaged block
+
+
+async def test_stop_deletes_the_disk_files(tmp_path):
+    eng = HfEngine(EngineConfig(block_size=BS, num_kv_blocks=2, extra={
+        "kv_disk_gb": 0.1, "kv_disk_dir": str(tmp_path / "g3"), "kv_disk_min_frequency": 0.0}))
+    await eng.start()
+    try:
+        await run(eng, "p", eng.tokenizer.encode_prompt(PROMPT_P))
+        assert list((tmp_path / "g3").glob("*.kv"))  # no host tier: evicted blocks went straight to disk
+    finally:
+        await eng.stop()
+    assert list((tmp_path / "g3").iterdir()) == []

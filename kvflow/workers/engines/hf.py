@@ -443,7 +443,11 @@ class HfEngine(Engine):
         return tier_metrics(self._tiers) if self._tiers is not None else None
 
     async def stop(self) -> None:
-        """Finish the current step, stop the loop, end every open request with ``abort``."""
+        """Finish the current step, stop the loop, end every open request with ``abort``.
+
+        The host and disk KV tiers are emptied (their disk files deleted):
+        nothing would index them after this worker is gone.
+        """
         if self._loop_task is None:
             return
         self._stopping = True
@@ -456,6 +460,9 @@ class HfEngine(Engine):
                 seq.outputs.put_nowait(EngineOutput(token_ids=[], finish_reason=FinishReason.abort))
         self._waiting.clear()
         self._batch = _Batch()
+        if self._tiers is not None:
+            self._tiers.clear()
+            self._tiers.take_events()
 
     # ----------------------------------------------------------------- requests
 
