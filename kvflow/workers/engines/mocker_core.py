@@ -134,16 +134,15 @@ class MockerConfig:
         kv_host_bytes_per_s: host -> device copy bandwidth. Defaults to
             ``25e9``: PCIe 4.0 x16 carries 31.5 GB/s per direction (16 GT/s
             x 16 lanes, 128b/130b coding; PCI-SIG PCIe 4.0 base
-            specification), and pinned-memory copies reach about 80% of it
-            (kvflow's choice, in line with CUDA ``bandwidthTest`` figures on
-            PCIe 4.0 GPUs).
+            specification); kvflow assumes pinned-memory copies reach about
+            80% of that line rate.
         kv_host_latency_ms: fixed cost of one host -> device load (copy
             set-up and synchronisation). Defaults to ``0.05`` (kvflow's choice).
         kv_disk_bytes_per_s: disk -> host read bandwidth. Defaults to
             ``7e9``: one PCIe 4.0 NVMe SSD's sequential read (e.g. Samsung
             990 PRO data sheet: 7,450 MB/s).
         kv_disk_latency_ms: fixed cost of one disk read. Defaults to ``0.1``
-            (NVMe random-read latency is about 0.1 ms on data sheets).
+            (kvflow's choice: the order of a NAND flash page read).
         kv_tier_half_life_s: half-life of a block's reuse frequency, which
             decides G2 -> G3 demotion (:class:`~kvflow.workers.kv.tiers.TierConfig`).
             Defaults to ``600``.

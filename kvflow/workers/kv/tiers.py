@@ -19,8 +19,7 @@ blocks G1 lets go of:
   A G3 block whose file is missing or fails its checksum ends the run: it
   and everything after it are recomputed, and it is dropped from G3.
 
-Reuse frequency (kvflow's choice, in the spirit of frequency-filtered disk
-offload in NVIDIA Dynamo's KV block manager): a block seen for the first
+Reuse frequency (kvflow's choice): a block seen for the first
 time has frequency 1; every reuse (a prefix hit in any tier, reported with
 :meth:`TieredStore.record_hits` or counted by :meth:`TieredStore.onboard`)
 doubles it; it halves every ``half_life_s`` seconds without use
