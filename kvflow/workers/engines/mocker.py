@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 
@@ -164,7 +165,8 @@ class MockerEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            result = core.step()
+            # The wall clock ages the KV tiers' reuse frequencies (idle time included).
+            result = core.step(now_ms=time.monotonic() * 1000.0)
             if not result.outputs and result.duration_ms == 0.0:
                 # Nothing could be scheduled; wait for a new request or an abort.
                 self._wake.clear()
