@@ -27,6 +27,8 @@ from kvflow.cli_options import (
     DtypeOpt,
     JoinPortOpt,
     KvCacheGbOpt,
+    KvDiskGbOpt,
+    KvHostGbOpt,
     NamespaceOpt,
     PolicyOpt,
     ShedKvThresholdOpt,
@@ -113,6 +115,8 @@ def up(
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
     = None,
     kv_cache_gb: KvCacheGbOpt = None,
+    kv_host_gb: KvHostGbOpt = None,
+    kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
     verbose: bool = False,
@@ -158,6 +162,10 @@ def up(
         extra_args.append(f"--tokenizer={mocker_tokenizer}")
     if engine == "vllm":
         extra_args = vllm_worker_args(kv_cache_gb, dtype, compiled)
+        if kv_host_gb or kv_disk_gb:
+            raise typer.BadParameter("the vllm engine has no kvflow KV tiers (vLLM offloads through its own "
+                                     "connector)", param_hint="--kv-host-gb/--kv-disk-gb")
+    extra_args += [f"--kv-{tier}-gb={gb}" for tier, gb in (("host", kv_host_gb), ("disk", kv_disk_gb)) if gb]
     plan = None
     if planner == "sla":
         from kvflow.planner.core import PlannerConfig, PlannerMode
@@ -236,6 +244,8 @@ def worker(
         help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
     kv_cache_gb: KvCacheGbOpt = None,
+    kv_host_gb: KvHostGbOpt = None,
+    kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
     bootstrap_servers: BootstrapOpt = None,
@@ -253,7 +263,7 @@ def worker(
     _logging(verbose)
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             worker_slot=slot, worker_id=worker_id)
+                             worker_slot=slot, worker_id=worker_id, kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,

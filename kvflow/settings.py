@@ -116,6 +116,28 @@ class Settings(BaseSettings):
     """``kv``/``approx`` routing: prefill blocks saved per block cached on a worker's
     device. Defaults to 1.0 (see :class:`kvflow.router.kv_policy.KvPolicyConfig`)."""
 
+    kv_host_weight: float = Field(default=0.75, ge=0)
+    """``kv``/``approx`` routing: prefill blocks saved per block a worker holds in
+    host memory (G2; loading it back costs a fraction of recomputing it).
+    Defaults to 0.75 (see :class:`kvflow.router.kv_policy.KvPolicyConfig`)."""
+
+    kv_disk_weight: float = Field(default=0.25, ge=0)
+    """``kv``/``approx`` routing: prefill blocks saved per block a worker holds on
+    local disk (G3). Defaults to 0.25."""
+
+    kv_host_gb: float = Field(default=0.0, ge=0)
+    """Workers: host-memory KV tier (G2) per worker, GiB; blocks evicted from the
+    engine's KV cache go there and are loaded back on a prefix hit
+    (:mod:`kvflow.workers.kv.tiers`). 0 = none. Defaults to 0."""
+
+    kv_disk_gb: float = Field(default=0.0, ge=0)
+    """Workers: local-disk KV tier (G3) per worker, GiB, for blocks leaving G2
+    that were reused at least twice. 0 = none. Defaults to 0."""
+
+    kv_disk_dir: str | None = None
+    """Workers: directory of the disk tier's block files (one subdirectory per
+    worker); ``None``: ``<data_dir>/kv-disk``. Defaults to ``None``."""
+
     kv_queue_weight: float = Field(default=0.5, ge=0)
     """``kv``/``approx`` routing: weight of the prompt work queued on a worker. Defaults to 0.5."""
 

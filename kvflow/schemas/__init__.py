@@ -32,7 +32,7 @@ from kvflow.schemas.kv_events import (
     decode_kv_frame,
     encode_kv_batch,
 )
-from kvflow.schemas.metrics import MetricRecord, RequestMetrics, WorkerMetrics
+from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
     InferenceRequest,
@@ -63,7 +63,7 @@ __all__ = [
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
-    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "deadline_exceeded", "decode",
+    "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "WorkerRole", "WorkerStatus", "deadline_exceeded", "decode",
     "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",
 ]

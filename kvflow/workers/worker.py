@@ -744,7 +744,7 @@ class Worker:
             kv_used_blocks=stats.used_blocks, kv_total_blocks=stats.total_blocks, queue_depth=len(self.inflight),
             prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
             decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
-            aborted_requests=aborted,
+            aborted_requests=aborted, kv_tiers=self.engine.kv_tier_metrics(),
         )
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:

@@ -13,7 +13,7 @@ import abc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvflow.schemas import FinishReason, KvEvent, SamplingParams
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SamplingParams
 
 __all__ = ["GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
 
@@ -130,6 +130,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def kv_stats(self) -> KvStats:
         """Current KV cache occupancy and queue lengths."""
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """Counters of the engine's host/disk KV tiers (:mod:`kvflow.workers.kv.tiers`); None
+        when it has none (the default)."""
+        return None
 
     def emit_kv_events(self, events: list[KvEvent]) -> None:
         """Forward one step's KV events to the sink, if one is attached."""
