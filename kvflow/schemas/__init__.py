@@ -35,6 +35,7 @@ from kvflow.schemas.kv_events import (
 from kvflow.schemas.metrics import MetricRecord, RequestMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
+    EmbeddingRequest,
     InferenceRequest,
     ReplyTo,
     RequestKind,
@@ -43,6 +44,7 @@ from kvflow.schemas.requests import (
 )
 from kvflow.schemas.responses import (
     DEADLINE_EXCEEDED,
+    EmbeddingResult,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -58,7 +60,8 @@ from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 __all__ = [
     "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
-    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
+    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest",
+    "EmbeddingResult", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
-from kvflow.schemas.requests import MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
+from kvflow.schemas.requests import MAX_EMBEDDING_INPUTS, MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
 
 __all__ = [
     "MAX_STOP_CHARS",
@@ -41,6 +41,10 @@ __all__ = [
     "CompletionResponse",
     "ModelCard",
     "ModelList",
+    "EmbeddingsRequest",
+    "EmbeddingObject",
+    "EmbeddingsUsage",
+    "EmbeddingsResponse",
 ]
 
 
@@ -322,3 +326,69 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------
+# Embeddings (POST /v1/embeddings).
+# ---------------------------------------------------------------------------
+
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+_Texts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+_IdLists = Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class EmbeddingsRequest(BaseModel):
+    """POST /v1/embeddings body.
+
+    ``input`` is one text, a list of texts, one list of token ids, or a list
+    of them (ids of the model's own tokenizer, without special tokens), at
+    most :data:`~kvflow.schemas.requests.MAX_EMBEDDING_INPUTS` inputs, none
+    empty. ``encoding_format`` ``base64`` sends each vector as the base64 of
+    its little-endian float32 bytes. ``dimensions`` truncates each vector to
+    that many components (re-normalized); at most the model's width.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    input: Annotated[str, Field(min_length=1)] | _Texts | _TokenIds | _IdLists
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """kvflow extension: seconds from arrival to the request's deadline, as
+    on chat completions (also the ``X-Request-Timeout`` header)."""
+
+    def inputs(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """``(texts, token_ids)``: the inputs as a list, exactly one of the two set."""
+        value = self.input
+        if isinstance(value, str):
+            return [value], None
+        if value and isinstance(value[0], str):
+            return list(value), None  # type: ignore[arg-type]
+        if value and isinstance(value[0], int):
+            return None, [list(value)]  # type: ignore[arg-type]
+        return None, [list(ids) for ids in value]  # type: ignore[union-attr]
+
+
+class EmbeddingObject(BaseModel):
+    """One vector of an embeddings answer: floats, or a base64 string."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(BaseModel):
+    """Token counts of an embeddings request (no completion tokens)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    """POST /v1/embeddings answer: one :class:`EmbeddingObject` per input, in order."""
+
+    object: Literal["list"] = "list"
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingsUsage

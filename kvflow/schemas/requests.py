@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +20,8 @@ __all__ = [
     "RoutingDecision",
     "RequestKind",
     "InferenceRequest",
+    "MAX_EMBEDDING_INPUTS",
+    "EmbeddingRequest",
 ]
 
 
@@ -145,3 +147,45 @@ class InferenceRequest(Record):
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages must not be empty")
         return self
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Most inputs one embeddings request may carry (the OpenAI API's limit)."""
+
+
+class EmbeddingRequest(Record):
+    """One embeddings request: the record on the ``queue.embedding`` topic.
+
+    An encoder keeps no KV between requests, so embeddings requests skip the
+    router: the producer (the HTTP bridge) picks a live embedding worker and
+    writes the request to that worker's partition; the worker answers with
+    one :class:`~kvflow.schemas.responses.EmbeddingResult` on ``reply_to``.
+
+    Exactly one of ``texts`` and ``token_ids`` is set, one entry per input
+    (``[num_inputs]`` strings, or ``[num_inputs][seq_len]`` ids of the
+    worker's tokenizer). ``dimensions``: keep the first this many components
+    of each vector and re-normalize (the OpenAI API's ``dimensions``, meant
+    for Matryoshka-trained models); None keeps the model's width. Times are
+    epoch ms; a worker drops a request already past ``deadline_ms``.
+    """
+
+    request_id: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1)
+    texts: list[str] | None = Field(default=None, min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    token_ids: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    dimensions: int | None = Field(default=None, ge=1)
+    reply_to: ReplyTo
+    created_ms: int = 0
+    deadline_ms: int | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "EmbeddingRequest":
+        if (self.texts is None) == (self.token_ids is None):
+            raise ValueError("exactly one of texts or token_ids is required")
+        return self
+
+    @property
+    def num_inputs(self) -> int:
+        """How many vectors the request asks for."""
+        return len(self.texts) if self.texts is not None else len(self.token_ids or ())

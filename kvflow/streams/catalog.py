@@ -18,6 +18,7 @@ from kvflow.schemas import (
     ControlRecord,
     DeadLetter,
     DecisionRecord,
+    EmbeddingRequest,
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
@@ -154,11 +155,20 @@ class Catalog:
             ),
         }
         for role in WorkerRole:
+            if role is WorkerRole.embedding:
+                continue
             topics[f"queue.{role.value}"] = spec(
                 f"queue.{role.value}", partitions=QUEUE_SLOTS, key="request_id", value_schema=InferenceRequest,
                 producers=("router",), consumers=(f"{role.value}-worker",),
                 description=f"routed requests for {role.value} workers; partition = worker slot",
             )
+        # Embeddings skip the router (an encoder holds no KV to route by): the
+        # bridge picks a live embedding worker and writes to its slot.
+        topics["queue.embedding"] = spec(
+            "queue.embedding", partitions=QUEUE_SLOTS, key="request_id", value_schema=EmbeddingRequest,
+            producers=("bridge", "client"), consumers=("embedding-worker",),
+            description="embeddings requests for embedding workers; partition = worker slot",
+        )
         object.__setattr__(self, "topics", topics)
 
     def __getitem__(self, key: str) -> TopicSpec:

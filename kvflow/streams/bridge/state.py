@@ -95,6 +95,9 @@ class BridgeState:
     brings the worker projection up to date (returns at most ~0.5 s later);
     None: answer from the projection as it is."""
     attachments: Attachments | None = None
+    embeddings_sent: dict[str, int] = field(default_factory=dict)
+    """Embeddings requests this bridge sent to each embedding worker (by id)
+    and has no answer to yet: the bridge's own load on it, between heartbeats."""
 
     def __post_init__(self) -> None:
         if self.attachments is None:
