@@ -5,6 +5,7 @@ queue.embedding → embedding worker process → responses → bridge — with t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import httpx
@@ -14,7 +15,10 @@ import pytest
 
 from deployment import wait_bridge_healthy
 from kvflow.models.embedding import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
-from kvflow.schemas import WorkerRole
+from aiokafka import TopicPartition
+
+from kvflow.schemas import DeadLetter, WorkerRole, decode
+from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.streams.broker import free_port
 from kvflow.supervisor import Supervisor, WorkerSpec
 from kvflow.workers.encoder import EncoderError, load_encoder
@@ -66,6 +70,29 @@ def test_encoder_token_ids_match_text_and_dimensions_truncate(encoder):
         encoder.embed(token_ids=[[len(encoder.tokenizer)]])
 
 
+async def _dead_letters(settings, catalog, topic: str, timeout_s: float = 30.0) -> list[DeadLetter]:
+    """The dead letters of ``topic`` (waits until there is at least one)."""
+    consumer = make_consumer(settings, auto_offset_reset="earliest")
+    await consumer.start()
+    found: list[DeadLetter] = []
+    try:
+        tp = TopicPartition(catalog.dead_letter.name, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+
+        async def poll() -> bool:
+            for records in (await consumer.getmany(tp, timeout_ms=200)).values():
+                found.extend(d for d in (decode(DeadLetter, m.value) for m in records) if d.source_topic == topic)
+            return bool(found)
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await poll():
+            assert asyncio.get_running_loop().time() < deadline, f"no dead letter from {topic}"
+    finally:
+        await consumer.stop()
+    return found
+
+
 @pytest.fixture
 async def deployment(kafka):
     settings, _ = kafka
@@ -79,6 +106,23 @@ async def deployment(kafka):
         yield sup
     finally:
         await sup.stop()
+
+
+async def test_malformed_queue_record_is_dead_lettered_and_the_worker_goes_on(deployment, kafka):
+    settings, catalog = kafka
+    slot = next(c.slot for c in deployment.children.values() if c.role is WorkerRole.embedding)
+    topic = catalog.queue(WorkerRole.embedding).name
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, b"{not a request", key=b"junk", partition=slot)
+    finally:
+        await producer.stop()
+    letters = await _dead_letters(settings, catalog, topic)
+    assert letters[0].value == "{not a request" and letters[0].partition == slot
+    client = openai.AsyncOpenAI(base_url=f"{deployment.url}/v1", api_key="unused")
+    reply = await client.embeddings.create(model=DEFAULT_EMBEDDING_MODEL, input="still serving")
+    assert len(reply.data[0].embedding) == 384
 
 
 async def test_openai_sdk_embeddings_over_kafka(deployment):
