@@ -54,6 +54,7 @@ from kvflow.schemas.responses import (
     Usage,
     deadline_exceeded,
 )
+from kvflow.schemas.responses_log import StoredResponse
 from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
@@ -65,7 +66,7 @@ __all__ = [
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
-    "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
+    "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "StoredResponse", "Timings", "TokenDelta",
     "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "deadline_exceeded", "decode",
     "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",

@@ -26,6 +26,7 @@ from kvflow.schemas import (
     MetricRecord,
     ResponseEvent,
     ScalingCommand,
+    StoredResponse,
     WorkerHeartbeat,
     WorkerRole,
 )
@@ -81,6 +82,14 @@ class Catalog:
                 "responses", partitions=RESPONSE_SLOTS, key="request_id", value_schema=ResponseEvent,
                 producers=("worker",), consumers=("bridge", "client"),
                 description="token deltas and final responses; partition = reply_to slot",
+            ),
+            # The conversation of every stored /v1/responses answer, keyed by
+            # response id; a bridge reads the one partition an id hashes to
+            # when a request chains from a response it did not store itself.
+            "responses_log": spec(
+                "responses-log", partitions=8, key="response_id", value_schema=StoredResponse,
+                retention_ms=30 * 24 * 3600 * 1000, producers=("bridge",), consumers=("bridge",),
+                description="stored /v1/responses conversations, for previous_response_id",
             ),
             "workers": spec(
                 "workers", partitions=4, key="worker_id", value_schema=WorkerHeartbeat,
@@ -183,6 +192,11 @@ class Catalog:
     def responses(self) -> TopicSpec:
         """Token deltas and final responses."""
         return self.topics["responses"]
+
+    @property
+    def responses_log(self) -> TopicSpec:
+        """Stored /v1/responses conversations."""
+        return self.topics["responses_log"]
 
     @property
     def workers(self) -> TopicSpec:

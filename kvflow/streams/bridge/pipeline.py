@@ -77,7 +77,7 @@ from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
 from kvflow.streams.bridge.worker_registry import ModelState
 from kvflow.streams.client import RequestTimeout, StreamCursor, StreamNotFound
 
-__all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "serve"]
+__all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "prepare_parsed", "serve", "next_record"]
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,20 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
     body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
     check_supported(kind, data)
     messages = chat_messages(body) if kind is RequestKind.chat else None
+    return await prepare_parsed(state, http_request, body, messages, resume=resume)
+
+
+async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, messages: list[ChatMessage] | None,
+                         *, resume: EventId | None = None, request_id: str | None = None) -> Prepared:
+    """:func:`prepare` from a validated ``body`` on: model check, tokenizing,
+    output cap, deadline, the request record. ``messages`` (chat bodies) are
+    the conversation as :class:`ChatMessage` records; ``request_id``
+    overrides the generated id (ignored when resuming).
+
+    Raises:
+        BridgeError: as :func:`prepare`, but for the body's own validation.
+    """
+    kind = RequestKind.chat if messages is not None else RequestKind.completion
     if state.refresh_workers is not None and state.registry.model_state(body.model) is not ModelState.serving:
         await state.refresh_workers(body.model)  # a worker may have just started
     tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
@@ -193,7 +207,7 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
     timeout_s = timeout_for(state.settings, http_request.headers, body, max_tokens)
     reply_to = state.source.reply_to
     if resume is None:
-        request_id, created_ms = _ID_PREFIX[kind] + uuid.uuid4().hex, now_ms()
+        request_id, created_ms = request_id or _ID_PREFIX[kind] + uuid.uuid4().hex, now_ms()
     else:
         request_id, created_ms = resume.request_id, resume.created_ms
         reply_to = ReplyTo(topic=reply_to.topic, partition=resume.partition)
@@ -205,7 +219,7 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
                     echo_text)
 
 
-async def _next_record(events: Events, state: BridgeState, request_id: str) -> TokenDelta | FinalResponse:
+async def next_record(events: Events, state: BridgeState, request_id: str) -> TokenDelta | FinalResponse:
     """The next response record, with transport failures as :class:`BridgeError`."""
     try:
         return await events.__anext__()
@@ -245,10 +259,10 @@ async def _close(*gens: Any) -> None:
 async def _wait_records(state: BridgeState, p: Prepared, events: Events,
                         observer: RequestObserver) -> TokenDelta | FinalResponse:
     """The first record (streaming) or the final record (otherwise), observing each."""
-    record = await _next_record(events, state, p.request.request_id)
+    record = await next_record(events, state, p.request.request_id)
     observer.on_event(record)
     while not p.body.stream and not isinstance(record, FinalResponse):
-        record = await _next_record(events, state, p.request.request_id)
+        record = await next_record(events, state, p.request.request_id)
         observer.on_event(record)
     return record
 
@@ -272,7 +286,7 @@ def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, 
         yield record
         while not isinstance(record, FinalResponse):
             try:
-                record = await _next_record(events, state, p.request.request_id)
+                record = await next_record(events, state, p.request.request_id)
             except BridgeError as err:
                 stream_error.append(err)
                 raise
