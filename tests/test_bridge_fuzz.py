@@ -99,7 +99,8 @@ def test_openapi_schema_describes_the_request_bodies():
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{name}"}
         assert spec["paths"][path]["post"]["security"] == [{"HTTPBearer": []}]
     completion = spec["components"]["schemas"]["CompletionRequest"]
-    assert completion["required"] == ["model", "prompt"]
+    assert completion["required"] == ["model"]  # and one of prompt, prompt_embeds
+    assert {"prompt", "prompt_embeds"} <= set(completion["properties"])
     assert completion["properties"]["max_tokens"]["anyOf"][0]["maximum"] == MAX_TOKENS_LIMIT
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/_Message"}

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvflow.schemas.requests import MAX_EMBEDDING_INPUTS, MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
 
@@ -146,17 +154,30 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    """POST /v1/completions body: one prompt, as text or as token ids.
+    """POST /v1/completions body: one prompt, as text, token ids or embeddings.
 
     ``logprobs``, ``best_of`` and ``suffix`` are typed and bounded as OpenAI
     documents them but only their "off" values are served.
     """
 
-    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    prompt_embeds: str | None = None
+    """The prompt as embeddings instead: base64 of a ``torch.save``'d
+    ``[seq_len, hidden]`` tensor of the model's dtype (then ``prompt`` is
+    left out or empty)."""
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1, le=20)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        if self.prompt_embeds is not None:
+            if self.prompt:
+                raise ValueError("send either prompt or prompt_embeds, not both")
+        elif self.prompt is None:
+            raise ValueError("prompt is required")
+        return self
 
 
 class ErrorBody(BaseModel):

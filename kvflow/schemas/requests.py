@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow.schemas.base import Record
 from kvflow.schemas.decisions import CandidateCost
+from kvflow.schemas.prompt_embeds import PromptEmbeds
 
 __all__ = [
     "MAX_TOKENS_LIMIT",
@@ -106,9 +107,13 @@ class RequestKind(str, Enum):
 class InferenceRequest(Record):
     """An inference request: the record on the requests topic and worker queues.
 
-    Exactly one of ``messages`` (chat), ``prompt`` (text completion) or
-    ``token_ids`` must carry the input; ``token_ids`` may be present alongside
-    either when the producer already tokenized (KV-aware routing needs them).
+    Exactly one of ``messages`` (chat), ``prompt`` (text completion),
+    ``token_ids`` or ``prompt_embeds`` must carry the input; ``token_ids``
+    may be present alongside the first two when the producer already
+    tokenized (KV-aware routing needs them). A request with
+    ``prompt_embeds`` is routed and prefix-cached by their row ids
+    (:meth:`~kvflow.schemas.prompt_embeds.PromptEmbeds.row_ids`, see
+    :meth:`hash_ids`).
 
     Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
     caller stops waiting: a worker ends the request then (error
@@ -139,14 +144,26 @@ class InferenceRequest(Record):
     disaggregated_params: dict[str, Any] | None = None
     attempt: int = Field(default=0, ge=0, le=1000)
     resumed_tokens: int = Field(default=0, ge=0)
+    prompt_embeds: PromptEmbeds | None = None
 
     @model_validator(mode="after")
     def _has_input(self) -> "InferenceRequest":
+        if self.prompt_embeds is not None:
+            if self.messages is not None or self.prompt is not None or self.token_ids is not None:
+                raise ValueError("prompt_embeds carries the whole prompt: no messages, prompt or token_ids with it")
+            return self
         if self.messages is None and self.prompt is None and self.token_ids is None:
-            raise ValueError("one of messages, prompt or token_ids is required")
+            raise ValueError("one of messages, prompt, token_ids or prompt_embeds is required")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages must not be empty")
         return self
+
+    def hash_ids(self) -> list[int] | None:
+        """The ids a router hashes into KV blocks: ``token_ids``, or the row
+        ids of ``prompt_embeds``; None when the producer did not tokenize."""
+        if self.prompt_embeds is not None:
+            return self.prompt_embeds.row_ids()
+        return self.token_ids
 
 
 MAX_EMBEDDING_INPUTS = 2048

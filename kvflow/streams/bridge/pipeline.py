@@ -71,6 +71,7 @@ from kvflow.streams.bridge.openai_format import (
     text_completion,
     to_inference_request,
 )
+from kvflow.streams.bridge.prompt_embeds import decode_prompt_embeds
 from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse, with_ids
 from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
@@ -194,15 +195,23 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
     kind = RequestKind.chat if messages is not None else RequestKind.completion
     if state.refresh_workers is not None and state.registry.model_state(body.model) is not ModelState.serving:
         await state.refresh_workers(body.model)  # a worker may have just started
-    tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
-    token_ids, echo_text = await _tokenize(body, messages, tokenizer)
     limit = state.settings.max_prompt_tokens
+    spec = _tokenizer_spec(state, body.model)
+    embeds = None
+    if isinstance(body, CompletionRequest) and body.prompt_embeds is not None:
+        if body.echo:
+            raise invalid_request("`echo` is not supported with prompt_embeds.", param="echo", code="unsupported")
+        embeds = decode_prompt_embeds(body.prompt_embeds, limit)
+        token_ids, echo_text, isl = None, "", embeds.seq_len
+    else:
+        token_ids, echo_text = await _tokenize(body, messages, await _load_tokenizer(state, spec))
+        isl = len(token_ids)
     prompt_param = "messages" if messages is not None else "prompt"
-    if len(token_ids) > limit:
-        raise payload_too_large(f"The prompt has {len(token_ids)} tokens; the limit is {limit}.", param=prompt_param)
-    if not token_ids:
+    if isl > limit:
+        raise payload_too_large(f"The prompt has {isl} tokens; the limit is {limit}.", param=prompt_param)
+    if not isl:
         raise invalid_request("The prompt is empty.", param="prompt")
-    max_tokens = output_budget(body, len(token_ids), max_output_tokens=state.settings.max_output_tokens,
+    max_tokens = output_budget(body, isl, max_output_tokens=state.settings.max_output_tokens,
                                context_length=state.registry.context_length(body.model), prompt_param=prompt_param)
     timeout_s = timeout_for(state.settings, http_request.headers, body, max_tokens)
     reply_to = state.source.reply_to
@@ -214,7 +223,7 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
     request = to_inference_request(body, request_id=request_id, reply_to=reply_to,
                                    token_ids=token_ids, created_ms=created_ms,
                                    timeout_s=timeout_s, messages=messages,
-                                   max_tokens=max_tokens)
+                                   max_tokens=max_tokens, prompt_embeds=embeds)
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
 
