@@ -201,7 +201,8 @@ def up(
                 for _ in range(count):
                     await sup.start_worker(role)
             total = workers + prefill_workers + decode_workers + embedding_workers
-            typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
+            typer.echo(f"waiting for {total - embedding_workers} {engine} worker(s) of {model}{also} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -213,7 +214,7 @@ def up(
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
-                typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
+                typer.echo(f"{total} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
