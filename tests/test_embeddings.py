@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 
 import httpx
 import numpy as np
@@ -61,11 +62,18 @@ def test_encoder_token_ids_match_text_and_dimensions_truncate(encoder):
     (from_text,), n_text = encoder.embed(texts=[text])
     (from_ids,), n_ids = encoder.embed(token_ids=[ids])
     assert n_text == n_ids and np.allclose(from_text, from_ids, atol=1e-5)
-    (short,), _ = encoder.embed(texts=[text], dimensions=64)
+    (same,), _ = encoder.embed(texts=[text], dimensions=384)
+    assert np.allclose(same, from_text)
+    with pytest.raises(EncoderError, match="Matryoshka"):  # MiniLM was not trained for truncation
+        encoder.embed(texts=[text], dimensions=64)
+    truncating = dataclasses.replace(encoder, matryoshka=True)
+    (short,), _ = truncating.embed(texts=[text], dimensions=64)
     assert len(short) == 64 and abs(np.linalg.norm(short) - 1) < 1e-4
     assert _cos(short, from_text[:64]) > 0.9999
+    with pytest.raises(EncoderError, match="one of 32, 128"):
+        dataclasses.replace(truncating, matryoshka_dims=(32, 128)).embed(texts=[text], dimensions=64)
     with pytest.raises(EncoderError):
-        encoder.embed(texts=[text], dimensions=385)
+        truncating.embed(texts=[text], dimensions=385)
     with pytest.raises(EncoderError):
         encoder.embed(token_ids=[[len(encoder.tokenizer)]])
 
@@ -143,9 +151,11 @@ async def test_openai_sdk_embeddings_over_kafka(deployment):
     one = await client.embeddings.create(model=DEFAULT_EMBEDDING_MODEL, input=texts[0])
     assert len(one.data) == 1 and np.allclose(one.data[0].embedding, by_text[texts[0]], atol=1e-6)
 
-    short = await client.embeddings.create(model=DEFAULT_EMBEDDING_MODEL, input=[texts[0]], dimensions=128,
-                                           encoding_format="float")
-    assert len(short.data[0].embedding) == 128
+    full = await client.embeddings.create(model=DEFAULT_EMBEDDING_MODEL, input=[texts[0]], dimensions=384,
+                                          encoding_format="float")
+    assert len(full.data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError):  # not a Matryoshka model: no truncated vectors
+        await client.embeddings.create(model=DEFAULT_EMBEDDING_MODEL, input=[texts[0]], dimensions=128)
 
     async with httpx.AsyncClient(base_url=deployment.url, timeout=60) as http:
         raw = (await http.post("/v1/embeddings", json={"model": DEFAULT_EMBEDDING_MODEL, "input": "hello world",

@@ -366,7 +366,8 @@ class EmbeddingsRequest(BaseModel):
     most :data:`~kvflow.schemas.requests.MAX_EMBEDDING_INPUTS` inputs, none
     empty. ``encoding_format`` ``base64`` sends each vector as the base64 of
     its little-endian float32 bytes. ``dimensions`` truncates each vector to
-    that many components (re-normalized); at most the model's width.
+    that many components (re-normalized), on Matryoshka-trained models only;
+    other models take only their own width (400 otherwise).
     """
 
     model_config = ConfigDict(extra="ignore")

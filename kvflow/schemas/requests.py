@@ -181,8 +181,9 @@ class EmbeddingRequest(Record):
     Exactly one of ``texts`` and ``token_ids`` is set, one entry per input
     (``[num_inputs]`` strings, or ``[num_inputs][seq_len]`` ids of the
     worker's tokenizer). ``dimensions``: keep the first this many components
-    of each vector and re-normalize (the OpenAI API's ``dimensions``, meant
-    for Matryoshka-trained models); None keeps the model's width. Times are
+    of each vector and re-normalize (the OpenAI API's ``dimensions``; a
+    worker takes it only for a Matryoshka-trained model, else only the
+    model's own width); None keeps the model's width. Times are
     epoch ms; a worker drops a request already past ``deadline_ms``.
     """
 

@@ -3,9 +3,12 @@
 Pooling follows the sentence-transformers recipe of all-MiniLM-L6-v2
 (``1_Pooling/config.json``: ``pooling_mode_mean_tokens``; ``2_Normalize``):
 the mean of the last hidden states over the non-padding tokens, then L2
-normalization. ``dimensions`` keeps the first components and normalizes
-again, as the OpenAI API's ``dimensions`` does for Matryoshka-trained
-models (Kusupati et al., 2022, "Matryoshka Representation Learning").
+normalization. ``dimensions`` below the model's width keeps the first
+components and normalizes again, as the OpenAI API's ``dimensions`` does;
+only a Matryoshka-trained model (Kusupati et al., 2022, "Matryoshka
+Representation Learning") keeps its meaning that way, so only models whose
+``config.json`` says so (``is_matryoshka``, or a ``matryoshka_dimensions``
+list, the keys vLLM reads) take it. all-MiniLM-L6-v2 is not one of them.
 
 Token-id inputs are ids of the encoder's own tokenizer without special
 tokens (what ``tokenizer.encode(text, add_special_tokens=False)`` gives);
@@ -39,7 +42,9 @@ class EncoderError(ValueError):
 class Encoder:
     """A loaded encoder. ``dim`` is the vector width; ``max_tokens`` the
     longest input encoded (longer ones are truncated, as sentence-transformers
-    does); ``batch_size`` the most inputs per forward pass."""
+    does); ``batch_size`` the most inputs per forward pass. ``matryoshka``:
+    the model may be asked for fewer dimensions (``matryoshka_dims``: only
+    these; empty: any up to ``dim``)."""
 
     tokenizer: Any
     model: Any
@@ -47,6 +52,8 @@ class Encoder:
     max_tokens: int
     device: str = "cpu"
     batch_size: int = 64
+    matryoshka: bool = False
+    matryoshka_dims: tuple[int, ...] = ()
 
     def embed(self, texts: list[str] | None = None, token_ids: list[list[int]] | None = None,
               dimensions: int | None = None) -> tuple[list[list[float]], int]:
@@ -56,15 +63,27 @@ class Encoder:
         Blocking (one forward pass per ``batch_size`` inputs): call it off the event loop.
 
         Raises:
-            EncoderError: ``dimensions`` > :attr:`dim`, or a token id outside the vocabulary.
+            EncoderError: ``dimensions`` the model does not take (see
+                :attr:`matryoshka`), or a token id outside the vocabulary.
         """
-        if dimensions is not None and dimensions > self.dim:
-            raise EncoderError(f"dimensions {dimensions} exceeds the model's {self.dim}")
+        if dimensions == self.dim:
+            dimensions = None
+        if dimensions is not None:
+            self._check_dimensions(dimensions)
         sequences = self._tokenize(texts) if texts is not None else self._wrap(token_ids or [])
         vectors: list[list[float]] = []
         for start in range(0, len(sequences), self.batch_size):
             vectors.extend(self._forward(sequences[start:start + self.batch_size], dimensions))
         return vectors, sum(len(s) for s in sequences)
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        if dimensions > self.dim:
+            raise EncoderError(f"dimensions {dimensions} exceeds the model's {self.dim}")
+        if not self.matryoshka:
+            raise EncoderError(f"this model gives {self.dim} dimensions only: it is not Matryoshka-trained, so "
+                               "`dimensions` must be left out or equal that")
+        if self.matryoshka_dims and dimensions not in self.matryoshka_dims:
+            raise EncoderError(f"dimensions must be one of {', '.join(map(str, self.matryoshka_dims))}")
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_tokens)["input_ids"]]
@@ -106,4 +125,6 @@ def load_encoder(model_dir: Path, device: str = "cpu") -> Encoder:
     model = AutoModel.from_pretrained(str(model_dir), local_files_only=True).to(device).eval()
     limit = min(max_seq_length(model_dir, tokenizer.model_max_length),
                 getattr(model.config, "max_position_embeddings", 512))
-    return Encoder(tokenizer, model, dim=int(model.config.hidden_size), max_tokens=limit, device=device)
+    dims = tuple(int(d) for d in getattr(model.config, "matryoshka_dimensions", None) or ())
+    return Encoder(tokenizer, model, dim=int(model.config.hidden_size), max_tokens=limit, device=device,
+                   matryoshka=bool(getattr(model.config, "is_matryoshka", False) or dims), matryoshka_dims=dims)
