@@ -86,7 +86,7 @@ class TinyEngine:
         if dim > 8:
             return EmbeddingResult(request_id=request.request_id, error=ErrorInfo(
                 message=f"dimensions {dim} exceeds the model's 8", type="invalid_request_error",
-                code="invalid_value", status=400))
+                code="invalid_value", status=400, param="dimensions"))
         return EmbeddingResult(request_id=request.request_id, model=request.model, prompt_tokens=request.num_inputs,
                                embeddings=[[1.0 / dim ** 0.5] * dim for _ in range(request.num_inputs)])
 

@@ -189,6 +189,8 @@ async def test_openai_sdk_embeddings_over_kafka(deployment):
             assert r.json()["error"]["type"] == "invalid_request_error"
         assert error_of(await http.post("/v1/embeddings", json={"model": DEFAULT_EMBEDDING_MODEL, "input": "x",
                                                                 "dimensions": 385})) == (400, "dimensions")
+        assert error_of(await http.post("/v1/embeddings", json={"model": DEFAULT_EMBEDDING_MODEL,
+                                                                "input": [10**9]})) == (400, "input")
         chat = await http.post("/v1/chat/completions", json={"model": DEFAULT_EMBEDDING_MODEL,
                                                              "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_supported"

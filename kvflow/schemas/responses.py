@@ -61,6 +61,8 @@ class ErrorInfo(BaseModel):
     status: int = 500
     retry_after_s: int | None = None
     """For 503s: seconds after which a retry may succeed (HTTP ``Retry-After``)."""
+    param: str | None = None
+    """For 4xx: the request field at fault (the OpenAI error's ``param``), when known."""
 
 
 def deadline_exceeded(message: str) -> ErrorInfo:

@@ -159,7 +159,7 @@ class EmbeddingWorker:
                                                       request.dimensions)
         except EncoderError as exc:
             return EmbeddingResult(**base, error=ErrorInfo(message=str(exc), type="invalid_request_error",
-                                                           code="invalid_value", status=400))
+                                                           code="invalid_value", status=400, param=exc.param))
         except Exception as exc:  # noqa: BLE001 - report, never let one request kill the worker
             log.exception("embeddings request %s failed", request.request_id)
             return EmbeddingResult(**base, error=ErrorInfo(message=f"internal error: {exc!r}", code="worker_error"))

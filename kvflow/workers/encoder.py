@@ -35,7 +35,12 @@ log = logging.getLogger(__name__)
 
 class EncoderError(ValueError):
     """An input the encoder cannot take (a token id outside its vocabulary,
-    ``dimensions`` above its width); the request is answered 400."""
+    ``dimensions`` it does not serve); the request is answered 400.
+    ``param`` names the request field at fault (``input`` or ``dimensions``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -78,12 +83,13 @@ class Encoder:
 
     def _check_dimensions(self, dimensions: int) -> None:
         if dimensions > self.dim:
-            raise EncoderError(f"dimensions {dimensions} exceeds the model's {self.dim}")
+            raise EncoderError(f"dimensions {dimensions} exceeds the model's {self.dim}", "dimensions")
         if not self.matryoshka:
             raise EncoderError(f"this model gives {self.dim} dimensions only: it is not Matryoshka-trained, so "
-                               "`dimensions` must be left out or equal that")
+                               "`dimensions` must be left out or equal that", "dimensions")
         if self.matryoshka_dims and dimensions not in self.matryoshka_dims:
-            raise EncoderError(f"dimensions must be one of {', '.join(map(str, self.matryoshka_dims))}")
+            raise EncoderError(f"dimensions must be one of {', '.join(map(str, self.matryoshka_dims))}",
+                               "dimensions")
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_tokens)["input_ids"]]
@@ -92,7 +98,7 @@ class Encoder:
         vocab = len(self.tokenizer)
         bad = next((t for ids in token_ids for t in ids if t >= vocab), None)
         if bad is not None:
-            raise EncoderError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise EncoderError(f"token id {bad} is outside the vocabulary [0, {vocab})", "input")
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         head, tail = ([cls], [sep]) if cls is not None and sep is not None else ([], [])
         room = self.max_tokens - len(head) - len(tail)

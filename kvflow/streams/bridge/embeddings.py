@@ -112,10 +112,7 @@ async def _answer(state: BridgeState, http_request: Request) -> Response:
                                created_ms=created, deadline_ms=deadline_ms(created, timeout_s))
     result = await _embed(state, worker, request, timeout_s)
     if result.error is not None:
-        err = from_error_info(result.error)
-        if err.status == 400 and result.error.code == "invalid_value":
-            err.param = "dimensions" if "dimensions" in err.message else "input"
-        raise err
+        raise from_error_info(result.error)
     data = [EmbeddingObject(index=i, embedding=encode_vector(v, body.encoding_format))
             for i, v in enumerate(result.embeddings)]
     answer = EmbeddingsResponse(data=data, model=result.model or body.model,
