@@ -96,7 +96,11 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
             wake(consumer)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + MODEL_WAIT_S
-            while registry.model_state(model) is not ModelState.serving and loop.time() < deadline:
+            def served() -> bool:  # by a generation or an embedding worker
+                return ModelState.serving in (registry.model_state(model),
+                                              registry.model_state(model, embedding=True))
+
+            while not served() and loop.time() < deadline:
                 applied.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(applied.wait(), deadline - loop.time())
