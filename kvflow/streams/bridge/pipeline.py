@@ -393,7 +393,8 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
         observer.replay = resume is not None
         p = await prepare(state, http_request, kind, resume)
         request_id = p.request.request_id
-        observer.submitted(request_id, p.body.model, len(p.request.token_ids or ()))
+        embeds = p.request.prompt_embeds
+        observer.submitted(request_id, p.body.model, embeds.seq_len if embeds else len(p.request.token_ids or ()))
         if resume is not None and p.body.stream:
             # One reader per request on this bridge: streams of it still attached stop now.
             attachment = state.attachments.attach(request_id)
