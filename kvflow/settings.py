@@ -226,6 +226,23 @@ class Settings(BaseSettings):
     """A file of more bridge API keys, one per line (blank lines and lines
     starting with ``#`` skipped); ``kvflow up --api-keys-file``. Defaults to ``None``."""
 
+    media_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    """Largest media object (image, audio, video) the bridge fetches for a
+    request, bytes. Defaults to 20 MiB."""
+
+    media_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    """Longest one media fetch may take (resolution, redirects, body),
+    seconds. Defaults to 10."""
+
+    media_allow_networks: Annotated[tuple[str, ...], NoDecode] = ()
+    """Networks (CIDR) media may be fetched from although they are private,
+    loopback or link-local (e.g. an internal image store); ``KVFLOW_MEDIA_ALLOW_NETWORKS``
+    is a comma-separated list. Defaults to none: public addresses only."""
+
+    media_allowed_roots: Annotated[tuple[str, ...], NoDecode] = ()
+    """Directories whose files ``file://`` media URLs may name; a comma-separated
+    list in ``KVFLOW_MEDIA_ALLOWED_ROOTS``. Defaults to none: no local files."""
+
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 
@@ -313,10 +330,10 @@ class Settings(BaseSettings):
     shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
     """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "media_allow_networks", "media_allowed_roots", mode="before")
     @classmethod
     def _split_api_keys(cls, value: Any) -> Any:
-        # KVFLOW_API_KEYS arrives as one string: split it on commas.
+        # KVFLOW_API_KEYS (and the media lists) arrive as one string: split it on commas.
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value

@@ -18,7 +18,7 @@ from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
-__all__ = ["build_engine", "run_worker"]
+__all__ = ["build_engine", "run_worker", "run_embedding_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,14 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                      kv_cache_gb: float | None = None, dtype: str = "auto", compiled: bool | None = None) -> None:
     """Run a worker until it is drained (SIGTERM/SIGINT) or stopped (engine options: :func:`build_engine`;
     KV tiers from ``settings.kv_host_gb``/``kv_disk_gb``, disk files in
-    ``<kv_disk_dir or data_dir/kv-disk>/<worker id>``)."""
+    ``<kv_disk_dir or data_dir/kv-disk>/<worker id>``).
+
+    Role ``embedding`` runs :func:`run_embedding_worker` on ``model`` (engine options are ignored).
+    """
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
+    if role is WorkerRole.embedding:
+        await run_embedding_worker(settings, slot=slot, model=model, worker_id=worker_id, device=device)
+        return
     connector = None
     if engine == "vllm":
         from kvflow.workers.engines.vllm_disagg import connector_for_role
@@ -115,6 +121,32 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role), eng)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+async def run_embedding_worker(settings: Settings, *, slot: int, model: str, worker_id: str,
+                               device: str = "cpu") -> None:
+    """Load the encoder ``model`` (:func:`kvflow.models.embedding.resolve_embedding_model`)
+    and serve ``queue.embedding[slot]`` until drained (SIGTERM/SIGINT) or stopped.
+
+    Raises:
+        kvflow.models.resolve.ModelNotFoundError: ``model`` cannot be resolved.
+    """
+    from kvflow.models.embedding import resolve_embedding_model
+    from kvflow.workers.embedding_worker import EmbeddingWorker, EmbeddingWorkerConfig
+    from kvflow.workers.encoder import load_encoder
+
+    resolved = resolve_embedding_model(model)
+    encoder = await asyncio.to_thread(load_encoder, resolved.path, device)
+    worker = EmbeddingWorker(settings, EmbeddingWorkerConfig(worker_id=worker_id, slot=slot, model=resolved.name,
+                                                             tokenizer=str(resolved.path)), encoder)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+def _drain_on_signals(worker: Any) -> None:
+    """SIGINT/SIGTERM: the first drains ``worker``, a second stops it."""
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
 
@@ -127,4 +159,3 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    await worker.run()

@@ -538,7 +538,10 @@ class Worker:
 
     def prompt_ids(self, request: InferenceRequest) -> list[int]:
         """The request's prompt token ids (shape [ISL]): ``token_ids`` when the
-        producer tokenized, else the engine's tokenizer applied to the messages or prompt."""
+        producer tokenized, else the engine's tokenizer applied to the messages
+        or prompt; for prompt embeddings, their row ids."""
+        if request.prompt_embeds is not None:
+            return request.prompt_embeds.row_ids()  # keys its KV blocks; the embeddings are the prompt
         if request.token_ids is not None:
             return list(request.token_ids)
         tokenizer = self.tokenizer
@@ -567,6 +570,8 @@ class Worker:
             stage = parse_stage(request.disaggregated_params)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+        if stage is not None and request.prompt_embeds is not None:
+            raise EngineError("prompt embeddings are served by aggregated workers only")
         if isinstance(stage, PrefillStage):
             await disagg.serve_prefill(self, request, stage, received_ms)
             return
@@ -574,9 +579,16 @@ class Worker:
             await disagg.serve_decode(self, request, stage, received_ms)
             return
         prompt_ids = self.prompt_ids(request)
+        embeds = None
+        if request.prompt_embeds is not None:
+            if not self.engine.accepts_prompt_embeds:
+                raise EngineError(f"the {self.engine.name} engine takes no prompt embeddings")
+            from kvflow.workers.prompt_embeds import to_tensor
+
+            embeds = to_tensor(request.prompt_embeds)
         gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
                               sampling=request.sampling, lora_name=request.lora_name,
-                              resumed_tokens=request.resumed_tokens)
+                              resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
         await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],

@@ -330,6 +330,7 @@ class HfEngine(Engine):
     """
 
     name = "hf"
+    accepts_prompt_embeds = True
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         # Keyword overrides (e.g. ``HfEngine(model=..., device="cuda")``) patch ``config``.
@@ -351,6 +352,7 @@ class HfEngine(Engine):
         self._stopping = False
         self._max_model_len = 0
         self._vocab_size = 0
+        self._embed_shape: tuple[int, torch.dtype] | None = None  # (hidden size, dtype) of prompt embeddings
         self._prefill_tokens_total = 0
         self._decode_tokens_total = 0
         self._layout: KvLayout | None = None
@@ -408,6 +410,7 @@ class HfEngine(Engine):
         self._max_model_len = positions or 1 << 30
         self.context_length = positions or None
         self._vocab_size = int(cfg.vocab_size)
+        self._embed_shape = (int(cfg.hidden_size), self._model.get_input_embeddings().weight.dtype)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         block_bytes = self._num_layers * 2 * kv_heads * self.block_size * head_dim * dtype.itemsize
@@ -476,7 +479,9 @@ class HfEngine(Engine):
             raise EngineError(
                 f"{request.request_id}: prompt of {len(prompt)} tokens >= model max {self._max_model_len}"
             )
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+        if request.prompt_embeds is not None:
+            self._check_embeds(request)
+        elif min(prompt) < 0 or max(prompt) >= self._vocab_size:
             raise EngineError(f"{request.request_id}: token id outside [0, {self._vocab_size})")
         if request.lora_name:
             raise EngineError(f"{request.request_id}: the hf engine serves no LoRA adapters")
@@ -495,6 +500,19 @@ class HfEngine(Engine):
             seq.stop_checker = StopChecker(list(sampling.stop))
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         return seq
+
+    def _check_embeds(self, request: GenerateRequest) -> None:
+        """Raises EngineError unless the prompt embeddings are ``[ISL, hidden]`` of the model's dtype."""
+        hidden, dtype = self._embed_shape or (0, None)
+        embeds = request.prompt_embeds
+        want = (len(request.prompt_token_ids), hidden)
+        if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != want:
+            got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise EngineError(f"{request.request_id}: prompt embeddings of shape {got}; this model takes "
+                              f"[seq_len, {hidden}]")
+        if embeds.dtype != dtype:
+            raise EngineError(f"{request.request_id}: prompt embeddings of dtype {str(embeds.dtype).removeprefix('torch.')}; "
+                              f"this model takes {str(dtype).removeprefix('torch.')}")
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -755,9 +773,13 @@ class HfEngine(Engine):
             past = [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in joined]
         seq.num_cached_tokens = cached
         seq.num_stored_blocks = len(blocks)
-        input_ids = torch.tensor([prompt[cached:]], device=self._device)
         positions = torch.arange(cached, len(prompt), device=self._device).unsqueeze(0)
-        logits, kv = self._forward(input_ids, positions, None, past)
+        embeds = seq.request.prompt_embeds
+        if embeds is not None:  # rows after the cached prefix, in place of the embedding lookup
+            logits, kv = self._forward(None, positions, None, past, embeds[cached:].unsqueeze(0).to(self._device))
+        else:
+            input_ids = torch.tensor([prompt[cached:]], device=self._device)
+            logits, kv = self._forward(input_ids, positions, None, past)
         self._prefill_tokens_total += len(prompt) - cached
         return kv, logits
 
@@ -847,10 +869,11 @@ class HfEngine(Engine):
         return results
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LayerKv]:
-        """Run the model on ``input_ids`` ``[B, q]`` after ``past``; return last-position
-        logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
+        """Run the model on ``input_ids`` ``[B, q]`` (or ``inputs_embeds`` ``[B, q, hidden]``)
+        after ``past``; return last-position logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._model.config)
@@ -860,6 +883,7 @@ class HfEngine(Engine):
             layer.keys, layer.values = k, v
         out = self._model(
             input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
             position_ids=positions,
             attention_mask=mask,
             past_key_values=cache,
