@@ -115,6 +115,10 @@ def up(
     kv_cache_gb: KvCacheGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Port of the deployment's one Prometheus scrape point (router, planner, bridge, "
+                               "consumer lag and every worker); 0 or unset: a free port, printed at start and "
+                               "recorded in the state file. [env: KVFLOW_METRICS_PORT]")] = None,
     verbose: bool = False,
 ) -> None:
     """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
@@ -138,7 +142,10 @@ def up(
                                 shed_mode=shed_mode, shed_queue_capacity=shed_queue_capacity,
                                 shed_queue_order=shed_queue_order, shed_kv_threshold=shed_kv_threshold,
                                 shed_prefill_token_threshold=shed_prefill_token_threshold,
-                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file)
+                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file,
+                                metrics_port=metrics_port)
+    if settings.metrics_port is None:
+        settings = settings.model_copy(update={"metrics_port": 0})
     check_policy(settings.routing_policy)
     if settings.api_keys_file:
         from kvflow.streams.bridge.api_keys import read_api_keys_file
@@ -184,12 +191,18 @@ def up(
             loop.add_signal_handler(sig, stop.set)
         try:
             await sup.start()
-            write_state(state_file_path, DeploymentState(
-                bootstrap_servers=sup.settings.bootstrap_servers, embedded_broker=sup.settings.embedded_broker,
-                namespace=sup.settings.namespace, url=sup.url, port=port, bridge=bridge, pid=os.getpid(),
-                routing_policy=sup.settings.routing_policy, data_dir=str(Path(settings.data_dir).absolute())))
+
+            def record() -> None:
+                write_state(state_file_path, DeploymentState(
+                    bootstrap_servers=sup.settings.bootstrap_servers, embedded_broker=sup.settings.embedded_broker,
+                    namespace=sup.settings.namespace, url=sup.url, port=port, bridge=bridge, pid=os.getpid(),
+                    routing_policy=sup.settings.routing_policy, data_dir=str(Path(settings.data_dir).absolute()),
+                    metrics_url=sup.metrics_url, worker_metrics_urls=sup.worker_metrics_urls()))
+
+            record()
             typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}; "
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
+            typer.echo(f"metrics: {sup.metrics_url} (router, planner, bridge, consumer lag and all workers)")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
                      (WorkerRole.decode, decode_workers))
             for role, count in pools:
@@ -209,6 +222,9 @@ def up(
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
                 typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
+                record()  # now with the workers' own /metrics URLs
+                for url in sup.worker_metrics_urls():
+                    typer.echo(f"  worker metrics: {url}")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
@@ -245,6 +261,11 @@ def worker(
     port: JoinPortOpt = None,
     state_file: StateFileOpt = None,
     data_dir: DataDirOpt = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Serve this worker's Prometheus /metrics on this port (0: a free one; unset: "
+                               "none). [env: KVFLOW_METRICS_PORT]")] = None,
+    metrics_host: Annotated[Optional[str], typer.Option(
+        help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")] = None,
     verbose: bool = False,
 ) -> None:
     """Run one worker process (normally started by `kvflow up`)."""
@@ -253,7 +274,8 @@ def worker(
     _logging(verbose)
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             worker_slot=slot, worker_id=worker_id)
+                             worker_slot=slot, worker_id=worker_id, metrics_port=metrics_port,
+                             metrics_host=metrics_host)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,

@@ -84,6 +84,7 @@ from kvflow.router.disagg import DisaggConfig, routed_record
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.projections import Follow, follow_topics
+from kvflow.router.prometheus import RouterExporter
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
 from kvflow.schemas import (
@@ -153,6 +154,8 @@ class RouterApp:
     orphans: Orphans = field(default_factory=Orphans)
     """Requests this replica routed, until their worker reports them finished
     (answered ``worker_lost`` if the worker expires first)."""
+    prom: RouterExporter | None = None
+    """The router's Prometheus series (:mod:`kvflow.router.prometheus`)."""
 
     @property
     def table(self) -> RoutingTable:
@@ -215,7 +218,10 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         stream_wait_empty=False,
         **faust_security(settings),
     )
-    state = RouterApp(app=app, core=core, settings=settings, catalog=catalog, router_id=router_id, policy=policy)
+    state = RouterApp(app=app, core=core, settings=settings, catalog=catalog, router_id=router_id, policy=policy,
+                      prom=RouterExporter(router_id, policy))
+    prom = state.prom
+    prom.attach(state)
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
@@ -275,6 +281,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         except BlockSizeMismatch as exc:
             log.error("refusing KV events of %s: %s", batch.worker_id, exc)
             return
+        prom.on_kv_batch(batch.ts_ms, now_ms())
         state.kv_progress.set()
         if dump is not None:
             await request_dump(dump.worker_id)
@@ -343,9 +350,11 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(state.workers_caught_up.wait(),
                                                       state.inflight_caught_up.wait()), 5.0)
-        if core.uses_events:
-            await wait_for_finished_kv()
-        await carry_out(core.route(Arrival.of(request), now_ms()))
+        with prom.decide.labels(router_id).time():
+            if core.uses_events:
+                await wait_for_finished_kv()
+            decision = core.route(Arrival.of(request), now_ms())
+        await carry_out(decision)
 
     async def wait_for_finished_kv() -> None:
         # The index should hold the KV events published before the finish records folded so far.
@@ -400,6 +409,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             error = decision.error
             await send_error(request.request_id, request.reply_to, request.attempt, error.message,
                              status=error.status, code=error.code, retry_after_s=error.retry_after_s)
+        prom.on_decision(decision)
         await publish_decision(decision)
 
     def decision_lost(ack: asyncio.Future) -> None:

@@ -97,6 +97,7 @@ from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
+from kvflow.workers.prometheus import WorkerExporter
 from kvflow.workers.stops import StopChecker
 
 __all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED"]
@@ -190,6 +191,8 @@ class Worker:
         self.queue_paused = False  # asleep (admin): take nothing from the queue
         self.admin_lock = asyncio.Lock()  # one admin command at a time
         self._admin_tasks: set[asyncio.Task] = set()
+        self.prom = WorkerExporter(self)
+        self.metrics_server = None  # kvflow.streams.metrics_server.MetricsServer while serving /metrics
 
     # lifecycle -------------------------------------------------------------
 
@@ -211,6 +214,12 @@ class Worker:
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
+        if self.settings.metrics_port is not None:
+            from kvflow.streams.metrics_server import serve_metrics
+
+            self.metrics_server = await serve_metrics([self.prom.registry], self.settings.metrics_host,
+                                                      self.settings.metrics_port)
+            log.info("worker %s metrics at %s", self.config.worker_id, self.metrics_server.url)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._kv_publisher(), name="kv-events"),
@@ -304,6 +313,8 @@ class Worker:
             await self._transport.close()
         await self.consumer.stop()
         await self.producer.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.served)
 
     # request path ------------------------------------------------------------
@@ -609,6 +620,8 @@ class Worker:
         buf_ids: list[int] = []
         buf_text: list[str] = []
         buf_since = 0.0
+        timer = self.prom.track()
+        timer.started_s -= max(0, now_ms() - received_ms) / 1000  # TTFT counts from the queue record's arrival
 
         async def flush() -> None:
             nonlocal index
@@ -625,6 +638,7 @@ class Worker:
                 if not first_ms:
                     first_ms = now_ms()
                     cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                timer.output(len(out.token_ids), prompt_tokens=len(prompt_ids), cached_tokens=cached)
                 output_ids.extend(out.token_ids)
                 text, stopped = stops.feed(detok.add(out.token_ids))
                 if stopped:
@@ -652,6 +666,7 @@ class Worker:
                     break
         await flush()
         expired = finish is FinishReason.abort and self._expired(request.request_id)
+        timer.finish((FinishReason.error if expired else finish).value)
         final = FinalResponse(
             request_id=request.request_id, text="".join(text_parts), token_ids=output_ids,
             finish_reason=FinishReason.error if expired else finish,
