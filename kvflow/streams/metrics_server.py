@@ -81,9 +81,15 @@ def render(registries: Iterable[CollectorRegistry], extra: Iterable[Metric] = ()
     return generate_latest(combined)
 
 
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+             "summary": ("_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
+             "gaugehistogram": ("_bucket", "_gsum", "_gcount"), "stateset": ("",), "unknown": ("",)}
+
+
 def metric_names(registry: CollectorRegistry) -> set[str]:
-    """Every sample name ``registry`` exports now (``_total``, ``_bucket`` ... included)."""
-    return {sample.name for family in registry.collect() for sample in family.samples}
+    """Every sample name ``registry`` can export (``_total``, ``_bucket`` ... by
+    family type), also for labelled families that have no sample yet."""
+    return {family.name + suffix for family in registry.collect() for suffix in _SUFFIXES[family.type]}
 
 
 @dataclass
