@@ -182,6 +182,10 @@ def up(
             raise typer.BadParameter(str(exc)) from exc
         workers = min(max(workers, min_workers), max_workers)
 
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow")  # bridge, router and planner spans (OTLP export: KVFLOW_OTLP_ENDPOINT)
+
     async def main() -> None:
         sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port,
                          bridge=bridge)
@@ -278,6 +282,9 @@ def worker(
                              metrics_host=metrics_host)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow-worker")
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
                            worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
@@ -318,6 +325,9 @@ def bridge_cmd(
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
                              api_keys_file=api_keys_file)
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow-bridge")
     try:
         app = build_app(settings, slot=slot, ensure_topics=False)
     except (OSError, ValueError) as exc:

@@ -64,6 +64,12 @@ Faust agents (consumer group, so each record is handled once per group):
 The whole-topic projections skip the records these agents dead-letter, so
 each malformed record reaches the dead-letter topic once per deployment,
 however many router replicas and workers read it. No agent dies of one.
+
+Observability: each decision runs under a ``router route`` span continuing
+the trace in the request record's ``traceparent`` header, and the queue
+record it sends carries that span's context on to the worker
+(:mod:`kvflow.streams.tracing`); the app's Prometheus series are in
+:attr:`RouterApp.prom` (:mod:`kvflow.router.prometheus`).
 """
 
 from __future__ import annotations
@@ -74,10 +80,13 @@ import functools
 import logging
 import tempfile
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import faust
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from kvflow.router.core import Arrival, Cancelled, Decision, Effect, KvDumpNeeded, RouterCore, WorkerExpired
 from kvflow.router.disagg import DisaggConfig, routed_record
@@ -116,6 +125,7 @@ from kvflow.streams.fetch_wait import produced, wake_policy
 from kvflow.streams.kafka import bootstrap, fetch_wait_policy
 from kvflow.streams.kafka_security import faust_security
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
+from kvflow.streams.tracing import extract_context, inject_headers, tracer
 
 __all__ = ["RouterApp", "build_router_app"]
 
@@ -232,6 +242,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
     control_topic = app.topic(catalog.control.name, partitions=catalog.control.partitions, **raw)
     counters = core.counters
+    held_traces: OrderedDict[str, otel_context.Context] = OrderedDict()  # trace context of each queued request
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
         counters["dead_lettered"] += 1
@@ -336,11 +347,15 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             except RecordError as exc:
                 await dead_letter(event, str(exc))
                 continue
-            try:
-                await route_one(request)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the router
-                log.exception("routing %s failed", request.request_id)
-                await dead_letter(event, f"routing failed: {exc!r}")
+            # The request's trace continues here (its traceparent header) and goes on to the worker.
+            with tracer().start_as_current_span("router route", context=extract_context(event.message.headers),
+                                                kind=trace.SpanKind.CONSUMER) as span:
+                span.set_attribute("kvflow.request_id", request.request_id)
+                try:
+                    await route_one(request)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the router
+                    log.exception("routing %s failed", request.request_id)
+                    await dead_letter(event, f"routing failed: {exc!r}")
 
     async def route_one(request: InferenceRequest) -> None:
         for wait in state.projection_waits:  # traffic: keep the load and cache views fresh
@@ -388,6 +403,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             await request_dump(effect.worker_id)
         elif isinstance(effect, Cancelled):
             request: InferenceRequest = effect.arrival.payload
+            held_traces.pop(request.request_id, None)
             final = FinalResponse(request_id=request.request_id, finish_reason=FinishReason.abort,
                                   attempt=request.attempt)
             await app.producer.send(request.reply_to.topic, request.request_id.encode(), encode(final),
@@ -397,11 +413,22 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         for worker_id in decision.expired:
             await answer_lost(worker_id)
         request: InferenceRequest = decision.arrival.payload
+        span = trace.get_current_span()  # the request's "router route" span (none for a request leaving the queue)
+        span.set_attribute("kvflow.outcome", decision.outcome.value)
+        if decision.outcome is DecisionOutcome.queued:
+            held_traces[request.request_id] = otel_context.get_current()  # its worker record continues this trace
+            held_traces.move_to_end(request.request_id)
+            while len(held_traces) > settings.shed_queue_capacity:
+                held_traces.popitem(last=False)
+        trace_ctx = held_traces.pop(request.request_id, None) if decision.outcome is not DecisionOutcome.queued \
+            else None
         if decision.outcome is DecisionOutcome.routed:
             placement, target = decision.placement, decision.target
+            span.set_attribute("kvflow.worker_id", placement.decision.worker_id)
+            span.set_attribute("kvflow.overlap_blocks", placement.decision.overlap_blocks)
             record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
             await app.producer.send(target.queue_topic, request.request_id.encode(), encode(record),
-                                    target.queue_partition, None, None)
+                                    target.queue_partition, None, inject_headers(trace_ctx))
             produced(target.queue_topic)  # a worker in this process may be parked in a long poll
             state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
                                       placement.decision.prefill_worker_id, request.reply_to, request.attempt))

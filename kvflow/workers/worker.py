@@ -45,6 +45,12 @@ Engine admin: the worker also reads the whole control topic (from its end)
 and applies the sleep, wake and clear-KV commands naming it
 (:mod:`kvflow.workers.admin`); while asleep it heartbeats ``sleeping`` and
 takes nothing from its queue.
+
+Observability: each request is served under a ``worker serve`` span (child
+of the router's, from the queue record's ``traceparent`` header) with an
+``engine generate`` child (:mod:`kvflow.streams.tracing`); the worker's
+Prometheus series (:mod:`kvflow.workers.prometheus`) are served on
+``settings.metrics_port`` when it is set.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
+from opentelemetry import trace
 
 from kvflow.schemas import (
     AdminCommand,
@@ -93,6 +100,7 @@ from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, p
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
@@ -340,7 +348,8 @@ class Worker:
                 early = self.early_cancels.pop(request.request_id, None)
                 if early is not None:
                     self._count_cancel(early)  # its cancel overtook it; _serve answers it at once
-                task = asyncio.create_task(self._serve(request), name=f"req-{request.request_id}")
+                task = asyncio.create_task(self._serve(request, extract_context(msg.headers)),
+                                           name=f"req-{request.request_id}")
                 self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
             if records:
                 await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
@@ -364,8 +373,10 @@ class Worker:
 
     async def send_to(self, topic: str, partition: int, key: bytes, record: Any) -> None:
         """Produce ``record`` to ``topic[partition]`` (waits for the broker's ack,
-        so a forwarded request is durable before this worker lets go of it)."""
-        await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition)
+        so a forwarded request is durable before this worker lets go of it),
+        with the current trace context in its headers."""
+        await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition,
+                                          headers=inject_headers())
 
     async def kv_transport(self) -> KvTransport:
         """This worker's KV transport, started on first use (NIXL or TCP, see
@@ -382,7 +393,15 @@ class Worker:
                 self._transport = transport
         return self._transport
 
-    async def _serve(self, request: InferenceRequest) -> None:
+    async def _serve(self, request: InferenceRequest, parent: Any = None) -> None:
+        """Serve one request under a ``worker serve`` span, child of ``parent``
+        (the trace context of its queue record; None: a new trace)."""
+        with tracer().start_as_current_span("worker serve", context=parent, kind=trace.SpanKind.CONSUMER) as span:
+            span.set_attribute("kvflow.request_id", request.request_id)
+            span.set_attribute("kvflow.worker_id", self.config.worker_id)
+            await self._serve_traced(request)
+
+    async def _serve_traced(self, request: InferenceRequest) -> None:
         received = now_ms()
         timer = self._deadline_timer(request)
         try:
@@ -576,17 +595,21 @@ class Worker:
             stage = parse_stage(request.disaggregated_params)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
-        if isinstance(stage, PrefillStage):
-            await disagg.serve_prefill(self, request, stage, received_ms)
-            return
-        if isinstance(stage, DecodeStage):
-            await disagg.serve_decode(self, request, stage, received_ms)
-            return
-        prompt_ids = self.prompt_ids(request)
-        gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                              sampling=request.sampling, lora_name=request.lora_name,
-                              resumed_tokens=request.resumed_tokens)
-        await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
+        with tracer().start_as_current_span("engine generate") as span:
+            span.set_attribute("kvflow.engine", self.engine.name)
+            if isinstance(stage, PrefillStage):
+                span.set_attribute("kvflow.stage", "prefill")
+                await disagg.serve_prefill(self, request, stage, received_ms)
+                return
+            if isinstance(stage, DecodeStage):
+                span.set_attribute("kvflow.stage", "decode")
+                await disagg.serve_decode(self, request, stage, received_ms)
+                return
+            prompt_ids = self.prompt_ids(request)
+            gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                                  sampling=request.sampling, lora_name=request.lora_name,
+                                  resumed_tokens=request.resumed_tokens)
+            await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],
                              outputs: AsyncIterator[EngineOutput], received_ms: int, started_ms: int, *,
@@ -676,6 +699,10 @@ class Worker:
             worker_id=self.config.worker_id, routing=request.routing, kv_transfer=kv_transfer,
             error=self._deadline_error(request) if expired else None,
         )
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        span.set_attribute("gen_ai.usage.output_tokens", len(output_ids))
+        span.set_attribute("kvflow.cached_tokens", cached)
         # Routers learn the worker is free before the client learns the answer: a client
         # that sends its next request on receipt is routed with this one counted as done.
         await self._publish_finished(request, self.is_cancelled(request.request_id))

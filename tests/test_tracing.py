@@ -1,0 +1,119 @@
+"""One request's trace across bridge → router → worker → engine, carried by W3C traceparent headers
+on the Kafka records (real embedded broker; the three parts run as tasks of this process, so only
+the record headers can link their spans: each part's span runs in its own consumer task)."""
+
+import asyncio
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvflow.router.app import build_router_app
+from kvflow.schemas import WorkerRole
+from kvflow.streams.kafka import make_consumer
+from kvflow.streams.tracing import TRACE_ID_HEADER, extract_context, inject_headers
+from kvflow.workers.engines.mocker import MockerEngine
+from kvflow.workers.engines.mocker_core import MockerConfig
+from kvflow.workers.worker import Worker, WorkerConfig
+from deployment import serve_bridge
+
+MODEL = "mock-traced"
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    """An in-memory exporter on the process's SDK tracer provider (installed if none is)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture
+async def pipeline(kafka, waiter):
+    settings, catalog = kafka
+    router = build_router_app(settings, catalog, policy="kv")
+    await router.app.start()
+    worker = Worker(settings, WorkerConfig(worker_id="w0", slot=0, model=MODEL),
+                    MockerEngine(MockerConfig(speedup_ratio=50.0), worker_id="w0", model_name=MODEL), catalog)
+    task = asyncio.create_task(worker.run())
+    try:
+        await waiter(lambda: len(router.table.workers) == 1)
+        async with serve_bridge(settings, catalog, slot=3) as (url, _):
+            yield settings, catalog, url
+    finally:
+        worker.stop()
+        await task
+        await router.app.stop()
+
+
+async def queue_record_headers(settings, catalog, request_id: str) -> list:
+    """Headers of ``request_id``'s record on the worker's queue partition."""
+    consumer = make_consumer(settings)
+    await consumer.start()
+    try:
+        tp = TopicPartition(catalog.queue(WorkerRole.aggregated).name, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        for _ in range(50):
+            for msg in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
+                if msg.key == request_id.encode():
+                    return list(msg.headers)
+        raise AssertionError(f"{request_id} not found on the queue")
+    finally:
+        await consumer.stop()
+
+
+async def test_one_request_is_one_trace_across_three_processes(pipeline, spans, waiter):
+    settings, catalog, url = pipeline
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "trace me", "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+    trace_id = answer.headers[TRACE_ID_HEADER]
+    request_id = answer.headers["X-Request-Id"]
+    assert len(trace_id) == 32 and int(trace_id, 16)
+
+    def ours() -> dict[str, object]:
+        return {s.name: s for s in spans.get_finished_spans() if trace.format_trace_id(s.context.trace_id) == trace_id}
+
+    names = {"bridge completions", "router route", "worker serve", "engine generate"}
+    found = await waiter(lambda: (lambda got: got if names <= set(got) else None)(ours()), timeout_s=30)
+    bridge, router, worker, engine = (found[n] for n in ("bridge completions", "router route", "worker serve",
+                                                         "engine generate"))
+    # The trace starts in the bridge process (under the HTTP server's own span where FastAPI makes one).
+    assert bridge.parent is None or not bridge.parent.is_remote
+    assert router.parent.span_id == bridge.context.span_id and router.parent.is_remote
+    assert worker.parent.span_id == router.context.span_id and worker.parent.is_remote
+    assert engine.parent.span_id == worker.context.span_id and not engine.parent.is_remote
+    assert {s.attributes["kvflow.request_id"] for s in (bridge, router, worker)} == {request_id}
+    assert router.attributes["kvflow.worker_id"] == "w0" and router.attributes["kvflow.outcome"] == "routed"
+    assert engine.attributes["gen_ai.usage.output_tokens"] == 4
+
+    # The link is the queue record's traceparent header, naming the router's span.
+    headers = dict(await queue_record_headers(settings, catalog, request_id))
+    parent = trace.get_current_span(extract_context(headers)).get_span_context()
+    assert (parent.trace_id, parent.span_id) == (router.context.trace_id, router.context.span_id)
+    assert headers["traceparent"].decode().startswith(f"00-{trace_id}-")
+
+
+def test_no_span_no_header():
+    assert inject_headers() is None
+
+
+async def test_streamed_answer_carries_its_trace_id_and_the_span_ends_with_the_stream(pipeline, spans, waiter):
+    settings, catalog, url = pipeline
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", f"{url}/v1/completions",
+                               json={"model": MODEL, "prompt": "stream me", "max_tokens": 5, "stream": True}) as answer:
+            trace_id = answer.headers[TRACE_ID_HEADER]
+            body = "".join([chunk async for chunk in answer.aiter_text()])
+    assert "[DONE]" in body
+    await waiter(lambda: any(s.name == "bridge completions" and trace.format_trace_id(s.context.trace_id) == trace_id
+                             for s in spans.get_finished_spans()))
