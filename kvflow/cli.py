@@ -431,6 +431,61 @@ def admin_clear_kv(
            data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
 
 
+def parse_time_ms(text: str, now_ms: int | None = None) -> int:
+    """Epoch ms of ``text``: epoch milliseconds (digits), an ISO 8601 time (UTC
+    unless it names a zone), ``now``, or a time before now (``-90s``, ``-5m``, ``-2h``).
+
+    Raises:
+        typer.BadParameter: none of these.
+    """
+    from datetime import datetime, timezone
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if text == "now":
+        return now_ms
+    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+    for unit in ("ms", "s", "m", "h"):
+        if text.startswith("-") and text.endswith(unit) and text[1:-len(unit)].replace(".", "", 1).isdigit():
+            return now_ms - int(float(text[1:-len(unit)]) * units[unit])
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r} is not epoch ms, an ISO 8601 time, 'now' or '-<n>s|m|h'") from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return int(when.timestamp() * 1000)
+
+
+@app.command("index")
+def index_cmd(
+    at: Annotated[str, typer.Option(help="When: epoch ms, ISO 8601 (UTC unless zoned), 'now', or '-5m'.")] = "now",
+    snapshot: Annotated[bool, typer.Option(help="Print every block hash per worker, not only counts.")] = False,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Rebuild the global KV index as it was at --at from the kv-events and workers topics; print it as JSON.
+
+    The rebuild folds the log with the live router's own code
+    (kvflow.router.history), so it equals what a router that had caught up
+    held at that time.
+    """
+    from kvflow.router.history import index_at
+
+    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+    rebuilt = asyncio.run(index_at(settings, parse_time_ms(at)))
+    out = rebuilt.summary()
+    if snapshot and rebuilt.index is not None:
+        out["index"] = rebuilt.index.snapshot()
+    typer.echo(json.dumps(out, indent=2))
+
+
 @app.command()
 def explain(
     request_id: Annotated[str, typer.Argument(help="The request's id (FinalResponse.request_id).")],
