@@ -38,6 +38,7 @@ from kvflow.cli_options import (
     check_policy,
     env_help,
     join_settings,
+    parse_time_ms,
     resolve_settings,
     vllm_worker_args,
 )
@@ -429,34 +430,6 @@ def admin_clear_kv(
     """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
     _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
            data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
-
-
-def parse_time_ms(text: str, now_ms: int | None = None) -> int:
-    """Epoch ms of ``text``: epoch milliseconds (digits), an ISO 8601 time (UTC
-    unless it names a zone), ``now``, or a time before now (``-90s``, ``-5m``, ``-2h``).
-
-    Raises:
-        typer.BadParameter: none of these.
-    """
-    from datetime import datetime, timezone
-
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    text = text.strip()
-    if text.isdigit():
-        return int(text)
-    if text == "now":
-        return now_ms
-    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
-    for unit in ("ms", "s", "m", "h"):
-        if text.startswith("-") and text.endswith(unit) and text[1:-len(unit)].replace(".", "", 1).isdigit():
-            return now_ms - int(float(text[1:-len(unit)]) * units[unit])
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError as exc:
-        raise typer.BadParameter(f"{text!r} is not epoch ms, an ISO 8601 time, 'now' or '-<n>s|m|h'") from exc
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return int(when.timestamp() * 1000)
 
 
 @app.command("index")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvflow.cli import parse_time_ms
+from kvflow.cli_options import parse_time_ms
 from kvflow.router.history import index_at
 from kvflow.schemas import SamplingParams, now_ms
 from kvflow.workers.engines.mocker_core import MockerConfig
