@@ -55,9 +55,19 @@ async def test_recorded_run_reads_back_whole(recorded_window, tmp_path):
     assert [r.isl for r in trace.requests] == [run.finals[r.request_id].usage.prompt_tokens for r in run.requests]
 
 
+async def kvflow(*args: str) -> str:
+    """Run the ``kvflow`` command; its stdout."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvflow", *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    return stdout.decode()
+
+
 async def replay(settings, since: int, until: int, policy: str, out) -> dict:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow", "replay", "--from-topics", "--since", str(since), "--until", str(until),
+        "--plots", str(out / policy),
         "--policy", policy, "--speedup-ratio", "50", "--no-progress", "--json", str(out / f"{policy}.json"),
         "--recorded-json", str(out / "recorded.json"), "--bootstrap-servers", settings.bootstrap_servers,
         "--namespace", settings.namespace, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -77,5 +87,10 @@ async def test_replay_from_topics_with_kv_and_round_robin(recorded_window, tmp_p
     assert kv["policy"] == "kv" and rr["policy"] == "round_robin"
     # Round-robin scatters each group's prefix over both workers: it hits less than kv routing.
     assert kv["prefix_hit_rate"] > rr["prefix_hit_rate"]
+    assert (tmp_path / "kv" / "compare_cdf.png").stat().st_size > 0
+    assert (tmp_path / "kv" / "compare_load.png").stat().st_size > 0
+    table = await kvflow("replay", "compare", str(tmp_path / "recorded.json"), str(tmp_path / "kv.json"),
+                         str(tmp_path / "round_robin.json"), "--plots", str(tmp_path / "all"))
+    assert "prefix hit rate" in table and (tmp_path / "all" / "compare_cdf.png").exists()
     print(f"hit rate: recorded {recorded['prefix_hit_rate']:.4f}, kv replay {kv['prefix_hit_rate']:.4f}, "
           f"round-robin replay {rr['prefix_hit_rate']:.4f}")

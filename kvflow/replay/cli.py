@@ -7,7 +7,7 @@
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
                         [--adjustment-interval-s 60] [--min-workers 1] [--max-workers 16]
     kvflow replay TRACE --mode online  [--port P | --bootstrap-servers ... | --url http://...]
-    kvflow replay compare a.json b.json ...
+    kvflow replay compare a.json b.json ... [--plots DIR]   (DIR: CDF and load PNGs)
     kvflow replay --from-topics --since -10m [--until now] [--policy round_robin] [--workers N]
                   [--recorded-json recorded.json] [--json replayed.json] [--save-trace trace.jsonl]
 
@@ -195,6 +195,13 @@ def replay(
         if len(targets) < 2:
             raise typer.BadParameter("compare needs at least one JSON report")
         typer.echo(compare_reports(targets[1:]))
+        if plots is not None:
+            from kvflow.replay.plots import plot_comparison
+            from kvflow.replay.report import load_report
+
+            for path in plot_comparison([load_report(t) for t in targets[1:]], [Path(t).stem for t in targets[1:]],
+                                        plots):
+                typer.echo(f"wrote {path}")
         return
     if len(targets) != 1:
         raise typer.BadParameter("give one trace file (or `compare a.json b.json ...`)")
@@ -275,7 +282,13 @@ def replay(
     if from_topics:
         from kvflow.replay.compare import compare
 
-        typer.echo(compare([recorded, report], ["recorded", f"replayed ({report.policy})"]))
+        labels = ["recorded", f"replayed ({report.policy})"]
+        typer.echo(compare([recorded, report], labels))
+        if plots is not None:
+            from kvflow.replay.plots import plot_comparison
+
+            for path in plot_comparison([recorded, report], labels, plots):
+                typer.echo(f"wrote {path}")
 
 
 def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None, sla_ttft_ms: float,
