@@ -206,6 +206,8 @@ def plot_comparison(reports: Sequence[Report], labels: Sequence[str], out_dir: s
     for i, (report, label) in enumerate(zip(reports, labels, strict=True)):
         counts = sorted((w.requests for w in report.per_worker), reverse=True)  # ids differ between runs
         ax_load.bar(np.arange(len(counts)) + i * width, counts, width, label=label)
+    most = max((len(r.per_worker) for r in reports), default=0)
+    ax_load.set_xticks(np.arange(most) + width * (len(reports) - 1) / 2, [f"#{i + 1}" for i in range(most)])
     ax_load.set_xlabel("workers, busiest first")
     ax_load.set_ylabel("requests")
     ax_load.set_title("requests per worker")
