@@ -1,4 +1,5 @@
-"""The ``kvflow`` command: up, worker, bridge, status, admin, explain, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, bridge, status, admin, explain, shadow, index, produce, planner, profile,
+replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -8,6 +9,7 @@ given on the command line wins (see :mod:`kvflow.cli_options`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -430,6 +432,68 @@ def admin_clear_kv(
     """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
     _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
            data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@app.command("shadow")
+def shadow_cmd(
+    policy: Annotated[str, typer.Option(help="The policy to shadow the live router with (kv, round_robin, ...).")],
+    duration_s: Annotated[Optional[float], typer.Option(min=0, help="Stop after this many seconds (unset: Ctrl-C).")]
+    = None,
+    report_interval_s: Annotated[float, typer.Option(min=0.1, help="Seconds between summary lines.")] = 10.0,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Serve kvflow_shadow_* on this port's /metrics (unset: none).")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    verbose: bool = False,
+) -> None:
+    """Shadow-route a running deployment's requests with --policy: decide each one, act on none.
+
+    Prints one JSON line per interval (and at the end): requests compared
+    with the live router's decisions, agreement (same worker), and the
+    predicted prefix hit ratio of each router's choices (prompt blocks the
+    chosen worker already held) with their difference (kvflow.router.shadow).
+    """
+    from kvflow.router.shadow import ShadowRouter
+
+    _logging(verbose)
+    check_policy(policy)
+    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+    async def main() -> None:
+        shadow = ShadowRouter(settings, policy)
+        task = asyncio.create_task(shadow.run())
+        server = None
+        if metrics_port is not None:
+            from kvflow.streams.metrics_server import serve_metrics
+
+            server = await serve_metrics([shadow.registry], settings.metrics_host, metrics_port)
+            typer.echo(f"metrics: {server.url}", err=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        deadline = None if duration_s is None else loop.time() + duration_s
+        try:
+            while not stop.is_set() and not task.done():
+                wait_s = report_interval_s if deadline is None else min(report_interval_s, deadline - loop.time())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(wait_s, 0))
+                typer.echo(json.dumps({"policy": policy, **shadow.tally.summary()}))
+                if deadline is not None and loop.time() >= deadline:
+                    break
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if server is not None:
+                await server.stop()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+    asyncio.run(main())
 
 
 @app.command("index")
