@@ -500,6 +500,7 @@ def shadow_cmd(
 def index_cmd(
     at: Annotated[str, typer.Option(help="When: epoch ms, ISO 8601 (UTC unless zoned), 'now', or '-5m'.")] = "now",
     snapshot: Annotated[bool, typer.Option(help="Print every block hash per worker, not only counts.")] = False,
+    progress: Annotated[bool, typer.Option(help="Report records read on stderr.")] = True,
     port: JoinPortOpt = None,
     state_file: StateFileOpt = None,
     data_dir: DataDirOpt = None,
@@ -516,7 +517,7 @@ def index_cmd(
 
     settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
                              bootstrap_servers=bootstrap_servers, namespace=namespace)
-    rebuilt = asyncio.run(index_at(settings, parse_time_ms(at)))
+    rebuilt = asyncio.run(index_at(settings, parse_time_ms(at), progress=progress))
     out = rebuilt.summary()
     if snapshot and rebuilt.index is not None:
         out["index"] = rebuilt.index.snapshot()

@@ -179,7 +179,7 @@ def replay(
         settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
                                  bootstrap_servers=bootstrap_servers, namespace=namespace)
         recorded, trace_file = _from_topics(settings, parse_time_ms(since), parse_time_ms(until), save_trace,
-                                            sla_ttft_ms, sla_itl_ms)
+                                            sla_ttft_ms, sla_itl_ms, progress)
         if recorded_json is not None:
             from kvflow.replay.report import write_json
 
@@ -292,7 +292,7 @@ def replay(
 
 
 def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None, sla_ttft_ms: float,
-                 sla_itl_ms: float):
+                 sla_itl_ms: float, progress: bool = True):
     """Read the deployment's log for ``[since_ms, until_ms)``: the recorded run's
     report and the trace file it was rebuilt into (``save_trace``, else a temporary file).
 
@@ -304,7 +304,7 @@ def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None
 
     from kvflow.replay.from_log import read_recorded, recorded_report, write_trace
 
-    run = asyncio.run(read_recorded(settings, since_ms, until_ms))
+    run = asyncio.run(read_recorded(settings, since_ms, until_ms, progress=progress))
     if not run.requests:
         raise typer.BadParameter(f"no request was created in [{since_ms}, {until_ms}) on namespace "
                                  f"{settings.namespace}")

@@ -77,9 +77,10 @@ class RecordedRun:
 
 
 async def read_recorded(settings: Settings, since_ms: int, until_ms: int,
-                        catalog: Catalog | None = None) -> RecordedRun:
+                        catalog: Catalog | None = None, *, progress: bool = False) -> RecordedRun:
     """Read the requests, routing-decisions, responses and workers topics for
-    requests created in ``[since_ms, until_ms)`` (epoch ms). Malformed records are skipped.
+    requests created in ``[since_ms, until_ms)`` (epoch ms). Malformed records
+    are skipped. ``progress``: report records read on stderr.
 
     Raises:
         aiokafka.errors.KafkaError: the broker cannot be reached.
@@ -88,7 +89,7 @@ async def read_recorded(settings: Settings, since_ms: int, until_ms: int,
     catalog = catalog or Catalog(settings.namespace)
     run = RecordedRun(since_ms, until_ms)
     seen: dict[str, InferenceRequest] = {}
-    for msg in await read_topic(settings, catalog.requests):
+    for msg in await read_topic(settings, catalog.requests, progress=progress):
         try:
             req = decode(InferenceRequest, msg.value)
         except RecordError:
@@ -96,7 +97,7 @@ async def read_recorded(settings: Settings, since_ms: int, until_ms: int,
         if since_ms <= req.created_ms < until_ms and req.request_id not in seen:
             seen[req.request_id] = req  # a resubmitted attempt keeps the first arrival
     run.requests = sorted(seen.values(), key=lambda r: (r.created_ms, r.request_id))
-    for msg in await read_topic(settings, catalog.routing_decisions):
+    for msg in await read_topic(settings, catalog.routing_decisions, progress=progress):
         if msg.key is None or msg.key.decode(errors="replace") not in seen:
             continue
         try:
@@ -105,7 +106,7 @@ async def read_recorded(settings: Settings, since_ms: int, until_ms: int,
             continue
         if rec.outcome is DecisionOutcome.routed:
             run.decisions[rec.request_id] = rec
-    for msg in await read_topic(settings, catalog.responses):
+    for msg in await read_topic(settings, catalog.responses, progress=progress):
         if msg.key is None or msg.key.decode(errors="replace") not in seen:
             continue
         try:
@@ -116,7 +117,7 @@ async def read_recorded(settings: Settings, since_ms: int, until_ms: int,
             held = run.finals.get(event.request_id)
             if held is None or event.attempt >= held.attempt:
                 run.finals[event.request_id] = event
-    for msg in await read_topic(settings, catalog.workers):
+    for msg in await read_topic(settings, catalog.workers, progress=progress):
         try:
             hb = decode(WorkerHeartbeat, msg.value)
         except RecordError:

@@ -82,9 +82,11 @@ def fold_index(heartbeats: list[WorkerHeartbeat], batches: list[KvEventBatch | K
     return IndexAt(at_ms, core.table.kv_index, folded_hb, folded_kv, later)
 
 
-async def index_at(settings: Settings, at_ms: int, catalog: Catalog | None = None) -> IndexAt:
+async def index_at(settings: Settings, at_ms: int, catalog: Catalog | None = None, *,
+                   progress: bool = False) -> IndexAt:
     """Read the workers and kv-events topics whole and fold them up to ``at_ms``
     (see the module doc). Malformed records are skipped, as the router skips them.
+    ``progress``: report records read on stderr.
 
     Raises:
         aiokafka.errors.KafkaError: the broker cannot be reached.
@@ -92,12 +94,12 @@ async def index_at(settings: Settings, at_ms: int, catalog: Catalog | None = Non
     """
     catalog = catalog or Catalog(settings.namespace)
     heartbeats, batches = [], []
-    for msg in await read_topic(settings, catalog.workers):
+    for msg in await read_topic(settings, catalog.workers, progress=progress):
         try:
             heartbeats.append(decode(WorkerHeartbeat, msg.value))
         except RecordError:
             continue
-    for msg in await read_topic(settings, catalog.kv_events):
+    for msg in await read_topic(settings, catalog.kv_events, progress=progress):
         try:
             batches.append(decode_kv_frame(msg.value))
         except RecordError:

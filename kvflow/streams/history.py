@@ -13,6 +13,7 @@ import asyncio
 
 from aiokafka import ConsumerRecord, TopicPartition
 
+from kvflow.progress import progress as make_progress
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
 from kvflow.streams.kafka import make_consumer
@@ -21,9 +22,10 @@ __all__ = ["read_topic"]
 
 
 async def read_topic(settings: Settings, spec: TopicSpec, *, idle_ms: int = 1000,
-                     timeout_s: float = 300.0) -> list[ConsumerRecord]:
+                     timeout_s: float = 300.0, progress: bool = False) -> list[ConsumerRecord]:
     """Every record of topic ``spec`` present when reading began, per
-    partition in offset order, partitions one after another.
+    partition in offset order, partitions one after another. With
+    ``progress``, records read are reported on stderr (:mod:`kvflow.progress`).
 
     Raises:
         aiokafka.errors.KafkaError: the broker cannot be reached.
@@ -36,6 +38,9 @@ async def read_topic(settings: Settings, spec: TopicSpec, *, idle_ms: int = 1000
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
+        starts = await consumer.beginning_offsets(tps)
+        bar = make_progress(sum(max(0, ends[tp] - starts[tp]) for tp in tps), f"reading {spec.name}",
+                            unit="records", enabled=progress)
         found: dict[TopicPartition, list[ConsumerRecord]] = {tp: [] for tp in tps}
         pending = {tp for tp in tps if ends[tp] > 0}
         loop = asyncio.get_running_loop()
@@ -49,6 +54,7 @@ async def read_topic(settings: Settings, spec: TopicSpec, *, idle_ms: int = 1000
                 last_record = loop.time()
             for tp, records in batches.items():
                 found[tp].extend(records)
+                bar.update(len(records))
             for tp in list(pending):
                 highwater = consumer.highwater(tp)
                 end = max(ends[tp], highwater or 0)
@@ -56,6 +62,7 @@ async def read_topic(settings: Settings, spec: TopicSpec, *, idle_ms: int = 1000
                     pending.discard(tp)
             if not batches and (loop.time() - last_record) * 1000 >= idle_ms:
                 break
+        bar.close()
         return [msg for tp in tps for msg in found[tp]]
     finally:
         await consumer.stop()
