@@ -160,5 +160,5 @@ async def serve_metrics(registries: Iterable[CollectorRegistry], host: str = "12
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+    bound = runner.addresses[0][1]  # the real port when 0 was asked
     return MetricsServer(runner, host, bound, regs, children)
