@@ -117,3 +117,49 @@ async def test_streamed_answer_carries_its_trace_id_and_the_span_ends_with_the_s
     assert "[DONE]" in body
     await waiter(lambda: any(s.name == "bridge completions" and trace.format_trace_id(s.context.trace_id) == trace_id
                              for s in spans.get_finished_spans()))
+
+
+async def test_disaggregated_request_trace_runs_through_prefill_and_decode_workers(kafka, waiter, spans):
+    """A long prompt goes router → prefill worker → (forwarded record) → decode worker: one trace."""
+    from kvflow.schemas import SamplingParams
+    from kvflow.streams.client import KvflowClient
+    from kvflow.streams.tracing import tracer
+
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"disagg_prefill_threshold_tokens": 64})
+    router = build_router_app(settings, catalog, policy="round_robin")
+    await router.app.start()
+    started = []
+    for wid, role in (("p0", WorkerRole.prefill), ("d0", WorkerRole.decode)):
+        worker = Worker(settings, WorkerConfig(worker_id=wid, slot=0, model=MODEL, role=role),
+                        MockerEngine(MockerConfig(speedup_ratio=50.0, block_size=16), worker_id=wid,
+                                     model_name=MODEL), catalog)
+        started.append((worker, asyncio.create_task(worker.run())))
+    client = KvflowClient(settings, catalog, timeout_s=30)
+    try:
+        await waiter(lambda: len(router.table.workers) == 2)
+        await client.start()
+        with tracer().start_as_current_span("client") as root:
+            final = await client.complete(client.new_request(MODEL, token_ids=list(range(1, 200)),
+                                                             sampling=SamplingParams(max_tokens=4)))
+        assert final.error is None and final.worker_id == "d0"
+        trace_id = root.get_span_context().trace_id
+
+        def ours():
+            got = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
+            return got if sum(s.name == "worker serve" for s in got) == 2 else None
+
+        found = await waiter(ours, timeout_s=30)
+    finally:
+        await client.stop()
+        for worker, task in started:
+            worker.stop()
+            await task
+        await router.app.stop()
+    serve = {s.attributes["kvflow.worker_id"]: s for s in found if s.name == "worker serve"}
+    engines = {s.parent.span_id: s for s in found if s.name == "engine generate"}
+    prefill_engine = engines[serve["p0"].context.span_id]
+    assert prefill_engine.attributes["kvflow.stage"] == "prefill"
+    # The decode worker's span continues the prefill worker's, through the forwarded record's header.
+    assert serve["d0"].parent.span_id == prefill_engine.context.span_id and serve["d0"].parent.is_remote
+    assert engines[serve["d0"].context.span_id].attributes["kvflow.stage"] == "decode"
