@@ -1,7 +1,7 @@
 """A shadow router: decide every live request with another policy, act on nothing, compare.
 
 :class:`ShadowRouter` folds the same topics a live router folds (workers,
-kv-events, inflight; :mod:`kvflow.router.projections`) into its own
+kv-events, inflight) into its own
 :class:`~kvflow.router.core.RouterCore` with the shadow policy, reads the
 requests topic (assigned, no consumer group: the live router's group keeps
 every request) and asks the core what it would do with each one
@@ -18,9 +18,11 @@ prefix hit ratio of each router, overlap blocks / prompt blocks, so
 prediction ignores what the choice itself changes later (the cache the
 request leaves, the load it adds).
 
-The shadow core sees the in-flight load workers report (inflight topic and
-heartbeats) but not the live router's routed-not-yet-taken requests, so
-under bursts it sees slightly less load than the live router.
+The shadow core's load view is the live router's: the in-flight requests
+workers report (inflight topic and heartbeats) plus the requests the live
+router's decision records routed and no worker has taken yet. It reads
+those records a little later than the live router wrote them, so under
+bursts it can see less load.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from aiokafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter
 
 from kvflow.router.core import Arrival, RouterCore
 from kvflow.router.disagg import DisaggConfig
 from kvflow.router.index import KvIndex
+from kvflow.router.inflight import note_routed_request
 from kvflow.router.kv_policy import KvPolicyConfig
-from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.shedding import ShedConfig
 from kvflow.schemas import (
     DecisionOutcome,
@@ -55,6 +58,7 @@ from kvflow.schemas import (
 from kvflow.schemas.block_hash import BlockSizeMismatch, compute_block_hashes
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.kafka import adapt_fetch_wait, make_consumer
 
 __all__ = ["ShadowRouter", "ShadowTally", "PENDING_LIMIT"]
 
@@ -191,14 +195,34 @@ class ShadowRouter:
             _bounded_put(self._verdicts, request.request_id, verdict)
 
     def on_decision(self, record: DecisionRecord) -> None:
-        """Pair a live routing decision with the shadow's verdict (held until the verdict comes)."""
+        """Count a live routing decision on its workers (as the live router counts what it
+        routed until the worker takes it), and pair it with the shadow's verdict (held
+        until the verdict comes)."""
         if record.outcome is not DecisionOutcome.routed or not record.worker_id:
             return
+        self._count_live(record)
         verdict = self._verdicts.pop(record.request_id, None)
         if verdict is not None:
             self._compare(verdict, record)
         else:
             _bounded_put(self._live, record.request_id, record)
+
+    def _count_live(self, record: DecisionRecord) -> None:
+        """The load the live router added with ``record``, in the shadow's table
+        (what :func:`~kvflow.router.disagg.count_placement` counts for a decision)."""
+        table = self.core.table
+        decode = table.workers.get(record.worker_id)
+        if decode is None:
+            return
+        rid, isl, at = record.request_id, record.isl, record.decided_ms
+        if record.prefill_worker_id:  # remote prefill: the prefill worker computes it all, decode imports
+            note_routed_request(table, record.prefill_worker_id, rid, prompt_tokens=isl, prefill_tokens=isl,
+                                now_ms=at)
+            note_routed_request(table, record.worker_id, rid, prompt_tokens=isl, prefill_tokens=0, now_ms=at)
+            return
+        overlap = next((c.overlap_blocks for c in record.candidates if c.worker_id == record.worker_id), 0)
+        note_routed_request(table, record.worker_id, rid, prompt_tokens=isl,
+                            prefill_tokens=isl - overlap * decode.block_size, now_ms=at)
 
     def _compare(self, verdict: _Verdict, live: DecisionRecord) -> None:
         t = self.tally
@@ -222,31 +246,48 @@ class ShadowRouter:
     async def run(self) -> None:
         """Fold the topics and shadow every new request until cancelled.
 
-        One consumer reads the workers, kv-events, inflight, requests and
-        routing-decisions topics, and within each fetch handles them in that
-        order (as the live router's projections do), so a request is decided
-        on a state that includes what was published before it. Requests and
-        decisions already in the log when the shadow starts are skipped.
+        One consumer reads the workers, kv-events, inflight, routing-decisions
+        and requests topics from their beginning and handles the records of
+        each fetch in the order they were produced (record timestamps; the
+        producers share this machine's clock or a synchronised one), so a
+        request is decided on the state its live router could have seen: the
+        records published before it, the live router's earlier decisions
+        included, and not its own decision. Requests and decisions already in
+        the log when the shadow starts are skipped (:attr:`ready` is set after
+        the first fetch that returns nothing).
 
         Raises:
             aiokafka.errors.KafkaError: the broker cannot be reached at start.
         """
         catalog = self.catalog
-        caught_up = [asyncio.Event() for _ in range(5)]
-        follows = [Follow(catalog.workers, self._on_worker, caught_up[0], hot=False),
-                   Follow(catalog.kv_events, self._on_kv, caught_up[1]),
-                   Follow(catalog.inflight, self._on_inflight, caught_up[2]),
-                   Follow(catalog.requests, self._on_request_record, caught_up[3]),
-                   Follow(catalog.routing_decisions, self._on_decision_record, caught_up[4])]
-        projections = asyncio.create_task(follow_topics(self.settings, follows), name="shadow-router")
+        handlers = {catalog.workers.name: self._on_worker, catalog.kv_events.name: self._on_kv,
+                    catalog.inflight.name: self._on_inflight,
+                    catalog.routing_decisions.name: self._on_decision_record,
+                    catalog.requests.name: self._on_request_record}
+        rank = {topic: i for i, topic in enumerate(handlers)}  # ties: state first, then decisions, requests
+        specs = (catalog.workers, catalog.kv_events, catalog.inflight, catalog.routing_decisions, catalog.requests)
+        consumer = make_consumer(self.settings, auto_offset_reset="earliest")
+        await consumer.start()
+        adapt_fetch_wait(consumer, self.settings, {catalog.requests.name, catalog.routing_decisions.name,
+                                                   catalog.kv_events.name, catalog.inflight.name}.__contains__)
         try:
-            await asyncio.gather(*(e.wait() for e in caught_up))
-            self.ready.set()
-            await projections
+            tps = [TopicPartition(spec.name, p) for spec in specs for p in range(spec.partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            while True:
+                batches = await consumer.getmany(timeout_ms=200 if not self.ready.is_set() else 1000,
+                                                 max_records=5000)
+                if not batches and not self.ready.is_set():
+                    self.ready.set()
+                records = sorted((msg for part in batches.values() for msg in part),
+                                 key=lambda m: (m.timestamp, rank[m.topic]))
+                for msg in records:
+                    try:
+                        await handlers[msg.topic](msg)
+                    except Exception:  # noqa: BLE001 - one record must not stop the shadow
+                        log.exception("shadow failed on %s[%d]@%d", msg.topic, msg.partition, msg.offset)
         finally:
-            projections.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await projections
+            await consumer.stop()
 
     async def _on_request_record(self, msg) -> None:
         if not self.ready.is_set():
