@@ -163,3 +163,43 @@ async def test_disaggregated_request_trace_runs_through_prefill_and_decode_worke
     # The decode worker's span continues the prefill worker's, through the forwarded record's header.
     assert serve["d0"].parent.span_id == prefill_engine.context.span_id and serve["d0"].parent.is_remote
     assert engines[serve["d0"].context.span_id].attributes["kvflow.stage"] == "decode"
+
+
+async def test_spans_are_exported_over_otlp_only_when_an_endpoint_is_set(tmp_path):
+    """A process that calls setup_tracing with KVFLOW_OTLP_ENDPOINT posts its spans there (OTLP/HTTP)."""
+    import os
+    import sys
+
+    from aiohttp import web
+
+    posts: list[bytes] = []
+
+    async def collect(request: web.Request) -> web.Response:
+        posts.append(await request.read())
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", collect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    endpoint = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/traces"
+    script = ("from opentelemetry import trace\n"
+              "from kvflow.settings import Settings\n"
+              "from kvflow.streams.tracing import setup_tracing, tracer\n"
+              "assert setup_tracing(Settings(), 'kvflow-test')\n"
+              "with tracer().start_as_current_span('exported-span'):\n"
+              "    pass\n"
+              "trace.get_tracer_provider().shutdown()\n")
+    try:
+        for env, expected in (({"KVFLOW_OTLP_ENDPOINT": endpoint}, 1), ({}, 1)):  # posts so far
+            clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVFLOW_OTLP", "OTEL_"))}
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, env={**clean, **env},
+                                                        stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()[-2000:]
+            assert len(posts) == expected
+    finally:
+        await runner.cleanup()
+    assert b"exported-span" in posts[0] and b"kvflow-test" in posts[0]
