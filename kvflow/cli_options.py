@@ -29,6 +29,8 @@ __all__ = [
     "DisaggMaxPrefillQueueOpt",
     "DisaggThresholdOpt",
     "JoinPortOpt",
+    "KvDiskGbOpt",
+    "KvHostGbOpt",
     "NamespaceOpt",
     "PolicyOpt",
     "ShedKvThresholdOpt",
@@ -98,6 +100,13 @@ StateFileOpt = Annotated[Optional[Path], typer.Option(
 JoinPortOpt = Annotated[Optional[int], typer.Option(
     "--port", help="Join the deployment serving on this port (its state file under --data-dir); unset: "
                    "the only one running.")]
+
+KvHostGbOpt = Annotated[Optional[float], typer.Option(
+    min=0, help=env_help("kv_host_gb", "KV blocks evicted from engine memory go to a host-memory tier of this "
+                                       "many GiB per worker and are loaded back on a prefix hit; 0: none."))]
+KvDiskGbOpt = Annotated[Optional[float], typer.Option(
+    min=0, help=env_help("kv_disk_gb", "Local-disk KV tier per worker, GiB, for blocks leaving the host tier "
+                                       "that were reused at least twice; 0: none."))]
 
 KvCacheGbOpt = Annotated[Optional[float], typer.Option(
     min=0.01, help="vllm: KV cache per worker, GiB (vLLM's kv_cache_memory_bytes); unset: 1 on CPU, "

@@ -69,11 +69,15 @@ class Settings(BaseSettings):
     hop between processes adds up to this much latency under traffic.
     Defaults to 40."""
 
-    fetch_idle_wait_ms: int = Field(default=1000, ge=1)
+    fetch_idle_wait_ms: int = Field(default=5000, ge=1, le=30_000)
     """Longest fetch long-poll of an idle consumer of the embedded broker (the
-    wait doubles each second of quiet up to this): bounds the extra latency of
-    the first record after a long quiet spell, per hop, and sets the idle CPU
-    cost. Defaults to 1000."""
+    wait doubles each second of quiet up to this). Producers cut such polls
+    short in their own process and, through the doorbell
+    (:mod:`kvflow.streams.doorbell`), in the other processes of the host, so
+    this sets the idle CPU cost; it bounds the extra latency of the first
+    record after a quiet spell only on a hop no producer rings. At most 30,000:
+    a consumer's fetch request times out after 40 s (aiokafka's
+    ``request_timeout_ms``). Defaults to 5000."""
 
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
@@ -93,6 +97,14 @@ class Settings(BaseSettings):
     worker_ttl_ms: int = Field(default=5000, ge=500)
     """A worker silent this long is expired from the routing table. Defaults to 5000."""
 
+    heartbeat_idle_ms: int | None = Field(default=None, ge=100)
+    """Heartbeat period of an idle worker (no request held) whose state has not
+    changed; a change (status, load, KV usage) is published within
+    ``heartbeat_interval_ms``. An idle heartbeat announces a TTL longer by the
+    difference of the two periods, so the silence tolerated after a missed
+    beat is the same as when busy. Defaults to ``None``:
+    5 × ``heartbeat_interval_ms``."""
+
     routing_policy: str = "kv"
     """Router policy name (see :mod:`kvflow.router.policies`). Defaults to ``kv``: the
     best of kvflow's policies on the Mooncake and Azure replays (docs/benchmarks.md,
@@ -103,6 +115,28 @@ class Settings(BaseSettings):
     kv_overlap_credit: float = Field(default=1.0, ge=0)
     """``kv``/``approx`` routing: prefill blocks saved per block cached on a worker's
     device. Defaults to 1.0 (see :class:`kvflow.router.kv_policy.KvPolicyConfig`)."""
+
+    kv_host_weight: float = Field(default=0.75, ge=0)
+    """``kv``/``approx`` routing: prefill blocks saved per block a worker holds in
+    host memory (G2; loading it back costs a fraction of recomputing it).
+    Defaults to 0.75 (see :class:`kvflow.router.kv_policy.KvPolicyConfig`)."""
+
+    kv_disk_weight: float = Field(default=0.25, ge=0)
+    """``kv``/``approx`` routing: prefill blocks saved per block a worker holds on
+    local disk (G3). Defaults to 0.25."""
+
+    kv_host_gb: float = Field(default=0.0, ge=0)
+    """Workers: host-memory KV tier (G2) per worker, GiB; blocks evicted from the
+    engine's KV cache go there and are loaded back on a prefix hit
+    (:mod:`kvflow.workers.kv.tiers`). 0 = none. Defaults to 0."""
+
+    kv_disk_gb: float = Field(default=0.0, ge=0)
+    """Workers: local-disk KV tier (G3) per worker, GiB, for blocks leaving G2
+    that were reused at least twice. 0 = none. Defaults to 0."""
+
+    kv_disk_dir: str | None = None
+    """Workers: directory of the disk tier's block files (one subdirectory per
+    worker); ``None``: ``<data_dir>/kv-disk``. Defaults to ``None``."""
 
     kv_queue_weight: float = Field(default=0.5, ge=0)
     """``kv``/``approx`` routing: weight of the prompt work queued on a worker. Defaults to 0.5."""
@@ -191,6 +225,23 @@ class Settings(BaseSettings):
     api_keys_file: str | None = None
     """A file of more bridge API keys, one per line (blank lines and lines
     starting with ``#`` skipped); ``kvflow up --api-keys-file``. Defaults to ``None``."""
+
+    media_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    """Largest media object (image, audio, video) the bridge fetches for a
+    request, bytes. Defaults to 20 MiB."""
+
+    media_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    """Longest one media fetch may take (resolution, redirects, body),
+    seconds. Defaults to 10."""
+
+    media_allow_networks: Annotated[tuple[str, ...], NoDecode] = ()
+    """Networks (CIDR) media may be fetched from although they are private,
+    loopback or link-local (e.g. an internal image store); ``KVFLOW_MEDIA_ALLOW_NETWORKS``
+    is a comma-separated list. Defaults to none: public addresses only."""
+
+    media_allowed_roots: Annotated[tuple[str, ...], NoDecode] = ()
+    """Directories whose files ``file://`` media URLs may name; a comma-separated
+    list in ``KVFLOW_MEDIA_ALLOWED_ROOTS``. Defaults to none: no local files."""
 
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
@@ -293,10 +344,10 @@ class Settings(BaseSettings):
     spans are exported there when set; ``None`` exports none (the trace
     context still travels in record headers). Defaults to ``None``."""
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "media_allow_networks", "media_allowed_roots", mode="before")
     @classmethod
     def _split_api_keys(cls, value: Any) -> Any:
-        # KVFLOW_API_KEYS arrives as one string: split it on commas.
+        # KVFLOW_API_KEYS (and the media lists) arrive as one string: split it on commas.
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value

@@ -48,11 +48,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerSpec:
-    """How to start workers: engine name, model spec and extra CLI args."""
+    """How to start workers: engine name, model spec and extra CLI args of
+    generation workers; the encoder model of embedding workers."""
 
     engine: str = "mocker"
     model: str = "SmolLM2-135M-Instruct"
     extra_args: list[str] = field(default_factory=list)
+    embedding_model: str = "all-MiniLM-L6-v2"
 
 
 @dataclass
@@ -158,11 +160,15 @@ class Supervisor:
         slot = self._free_slot(role)
         self._counter += 1
         worker_id = f"{role.value[:3]}-{slot}-{os.getpid()}-{self._counter}"
+        if role is WorkerRole.embedding:
+            what = ["--model", self.spec.embedding_model]
+        else:
+            what = ["--engine", self.spec.engine, "--model", self.spec.model, *self.spec.extra_args]
         args = [
-            sys.executable, "-m", "kvflow", "worker", "--engine", self.spec.engine, "--model", self.spec.model,
+            sys.executable, "-m", "kvflow", "worker", *what,
             "--role", role.value, "--slot", str(slot), "--worker-id", worker_id,
             "--bootstrap-servers", str(self.settings.bootstrap_servers), "--namespace", self.settings.namespace,
-            *(["--embedded-broker"] if self.settings.embedded_broker else []), *self.spec.extra_args,
+            *(["--embedded-broker"] if self.settings.embedded_broker else []),
         ]
         metrics_url = None
         if self.settings.metrics_port is not None:

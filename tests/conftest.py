@@ -34,7 +34,7 @@ async def kafka(broker):
     """``(settings, catalog)`` for a fresh namespace with every catalog topic created."""
     ns = f"t{uuid.uuid4().hex[:10]}"
     settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True, namespace=ns,
-                        session_timeout_ms=2000, heartbeat_interval_ms=300, worker_ttl_ms=1500)
+                        session_timeout_ms=2000, heartbeat_interval_ms=300, worker_ttl_ms=3000)
     catalog = Catalog(ns)
     await create_topics(settings, catalog)
     yield settings, catalog

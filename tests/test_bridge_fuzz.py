@@ -22,7 +22,17 @@ from schemathesis.checks import not_a_server_error
 from test_bridge_unit import MODEL, REPLY_TO, Clock, heartbeat
 
 from kvflow.models.tokenizer import ByteTokenizer
-from kvflow.schemas import FinalResponse, FinishReason, InferenceRequest, TokenDelta, Usage
+from kvflow.schemas import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorInfo,
+    FinalResponse,
+    FinishReason,
+    InferenceRequest,
+    TokenDelta,
+    Usage,
+    WorkerRole,
+)
 from kvflow.schemas.requests import MAX_TOKENS_LIMIT
 from kvflow.settings import Settings
 from kvflow.streams.bridge import build_app_for_state
@@ -70,10 +80,23 @@ class TinyEngine:
                             usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(output)))
 
 
+    async def embed(self, request: EmbeddingRequest, partition: int) -> EmbeddingResult:
+        """Answer an embeddings request with 8-dimensional vectors (an error above 8 dimensions)."""
+        dim = request.dimensions or 8
+        if dim > 8:
+            return EmbeddingResult(request_id=request.request_id, error=ErrorInfo(
+                message=f"dimensions {dim} exceeds the model's 8", type="invalid_request_error",
+                code="invalid_value", status=400, param="dimensions"))
+        return EmbeddingResult(request_id=request.request_id, model=request.model, prompt_tokens=request.num_inputs,
+                               embeddings=[[1.0 / dim ** 0.5] * dim for _ in range(request.num_inputs)])
+
+
 ENGINE = TinyEngine()
 STATE = BridgeState(settings=Settings(max_prompt_tokens=4096), source=ENGINE,
                     registry=WorkerRegistry(clock=Clock()))
 STATE.registry.apply(heartbeat(context_length=2048))
+# The same model name on an embedding worker: embeddings bodies travel on to TinyEngine.embed too.
+STATE.registry.apply(heartbeat(worker_id="e0", role=WorkerRole.embedding, queue_topic="ns.queue.embedding"))
 APP = build_app_for_state(STATE)
 STATUSES: Counter[int] = Counter()
 
@@ -99,7 +122,8 @@ def test_openapi_schema_describes_the_request_bodies():
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{name}"}
         assert spec["paths"][path]["post"]["security"] == [{"HTTPBearer": []}]
     completion = spec["components"]["schemas"]["CompletionRequest"]
-    assert completion["required"] == ["model", "prompt"]
+    assert completion["required"] == ["model"]  # and one of prompt, prompt_embeds
+    assert {"prompt", "prompt_embeds"} <= set(completion["properties"])
     assert completion["properties"]["max_tokens"]["anyOf"][0]["maximum"] == MAX_TOKENS_LIMIT
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/_Message"}

@@ -349,3 +349,32 @@ def test_out_of_range_hashes_are_refused_and_change_nothing():
     assert idx.held("a") == set(PROMPT[:3])
     with pytest.raises(ValueError):  # the schema refuses them before they reach the index
         stored(2**64)
+
+
+def test_tiered_matches_agree_with_a_naive_walk():
+    import random
+
+    rng = random.Random(11)
+    idx = KvIndex(16)
+    held: dict[str, dict[int, KvTier]] = {}
+    prompts = [[rng.getrandbits(64) for _ in range(30)] for _ in range(6)]
+    for w in ("a", "b", "c", "d"):
+        held[w] = {}
+        for p in prompts:
+            for h in p[:rng.randrange(31)]:
+                tiers = [t for t in KvTier if rng.random() < 0.5]
+                for t in tiers:
+                    idx.store_blocks(w, [h], t)
+                if tiers:
+                    held[w][h] = min(tiers, key=list(KvTier).index)  # the fastest tier holding it
+    for p in prompts:
+        scores = idx.find_matches(p)
+        for w, blocks in held.items():
+            want = {t: 0 for t in KvTier}
+            for h in p:
+                if h not in blocks:
+                    break
+                want[blocks[h]] += 1
+            got = {KvTier.device: scores.device.get(w, 0), KvTier.host: scores.host.get(w, 0),
+                   KvTier.disk: scores.disk.get(w, 0)}
+            assert got == want, (w, got, want)

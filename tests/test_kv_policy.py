@@ -315,3 +315,12 @@ def test_candidate_terms_stay_off_the_wire():
     assert b"candidates" not in wire and b"queued_prefill" not in wire
     back = decode(InferenceRequest, wire).routing
     assert back == RoutingDecision(worker_id=d.worker_id, policy="kv", overlap_blocks=d.overlap_blocks, cost=d.cost)
+
+
+def test_tier_weights_come_from_settings():
+    from kvflow.settings import Settings
+
+    cfg = KvPolicyConfig.from_settings(Settings())
+    assert (cfg.host_weight, cfg.disk_weight) == (0.75, 0.25)
+    blind = KvPolicyConfig.from_settings(Settings(kv_host_weight=0, kv_disk_weight=0))
+    assert (blind.host_weight, blind.disk_weight) == (0.0, 0.0)

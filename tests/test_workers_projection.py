@@ -64,7 +64,9 @@ async def test_status_and_the_planner_read_the_projection_from_the_topic(kafka):
     await producer.start()
     try:
         for h in HISTORY:
-            fresh = h.model_copy(update={"ts_ms": now - 1_000 + h.ts_ms, "queue_topic": queue})
+            # Live ones get a TTL a loaded machine cannot outlive between here and the last reader.
+            ttl_ms = h.ttl_ms if h.worker_id == "w4" else 600_000
+            fresh = h.model_copy(update={"ts_ms": now - 1_000 + h.ts_ms, "queue_topic": queue, "ttl_ms": ttl_ms})
             await producer.send_and_wait(catalog.workers.name, encode(fresh), key=h.worker_id.encode())
     finally:
         await producer.stop()

@@ -2,6 +2,7 @@
 
     kvflow replay TRACE --mode offline [--workers N] [--policy POLICY] [--seed S] [--json PATH]
                         [--shed-mode queue --shed-queue-capacity 64]
+                        [--num-kv-blocks B] [--kv-host-gb G2] [--kv-disk-gb G3]
     kvflow replay TRACE --mode offline --prefill-workers P --decode-workers D [--workers N]
                         [--disagg-threshold-tokens 1000] [--disagg-max-prefill-queue 2]
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
@@ -55,6 +56,8 @@ from kvflow.cli_options import (
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
     JoinPortOpt,
+    KvDiskGbOpt,
+    KvHostGbOpt,
     NamespaceOpt,
     PolicyOpt,
     ShedKvThresholdOpt,
@@ -94,6 +97,16 @@ def replay(
     kv_overlap_credit: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_overlap_credit", "offline kv/approx routing: prefill blocks saved per cached block"))]
     = None,
+    kv_host_weight: Annotated[Optional[float], typer.Option(
+        min=0, help=env_help("kv_host_weight", "offline kv/approx routing: prefill blocks saved per block cached in "
+                                               "a worker's host-memory tier"))] = None,
+    kv_disk_weight: Annotated[Optional[float], typer.Option(
+        min=0, help=env_help("kv_disk_weight", "offline kv/approx routing: prefill blocks saved per block cached in "
+                                               "a worker's disk tier"))] = None,
+    kv_host_gb: KvHostGbOpt = None,
+    kv_disk_gb: KvDiskGbOpt = None,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(
+        min=1, help="offline: KV blocks of each simulated worker's engine memory (G1) [default: 16384]")] = None,
     kv_queue_weight: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_queue_weight", "offline kv/approx routing: weight of prompt work queued on a worker"))]
     = None,
@@ -217,7 +230,8 @@ def replay(
                                      itl_statistic) or "mean"
     correction_smoothing = deprecated_alias("--planner-correction-smoothing", planner_correction_smoothing,
                                             "--correction-smoothing", correction_smoothing)
-    kv_weights = {k: v for k, v in (("kv_overlap_credit", kv_overlap_credit), ("kv_queue_weight", kv_queue_weight),
+    kv_weights = {k: v for k, v in (("kv_overlap_credit", kv_overlap_credit), ("kv_host_weight", kv_host_weight),
+                                     ("kv_disk_weight", kv_disk_weight), ("kv_queue_weight", kv_queue_weight),
                                      ("kv_decode_weight", kv_decode_weight), ("kv_temperature", kv_temperature))
                   if v is not None}
     shedding = {k: v for k, v in (("shed_mode", shed_mode), ("shed_queue_capacity", shed_queue_capacity),
@@ -239,7 +253,8 @@ def replay(
         # The live router's settings, so the simulation routes as `kvflow up` would in this environment.
         settings = resolve_settings(routing_policy=policy, disagg_prefill_threshold_tokens=disagg_threshold_tokens,
                                     disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **kv_weights,
-                                    **shedding)
+                                    **shedding, **({"kv_host_gb": kv_host_gb} if kv_host_gb is not None else {}),
+                                    **({"kv_disk_gb": kv_disk_gb} if kv_disk_gb is not None else {}))
         check_policy(settings.routing_policy)
         try:
             plan = _planner_options(planner, sla_ttft_ms if planner_ttft_ms is None else planner_ttft_ms,
@@ -249,7 +264,10 @@ def replay(
                                     itl_statistic=itl_statistic,
                                     correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing)
             report = run_offline(trace, workers=workers, policy=settings.routing_policy, seed=seed, speedup=speedup,
-                                 rate=rate, mocker_config=MockerConfig(speedup_ratio=speedup_ratio, **geometry),
+                                 rate=rate, mocker_config=MockerConfig(
+                                     speedup_ratio=speedup_ratio, kv_host_bytes=int(settings.kv_host_gb * (1 << 30)),
+                                     kv_disk_bytes=int(settings.kv_disk_gb * (1 << 30)),
+                                     **{**geometry, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}),
                                  prefill_workers=prefill_workers, decode_workers=decode_workers,
                                  disagg=DisaggConfig.from_settings(settings),
                                  worker_startup_ms=worker_startup_s * 1000.0,
@@ -266,6 +284,10 @@ def replay(
         if kv_weights:
             raise typer.BadParameter("--kv-* weights configure the offline simulator's router; online, the "
                                      "deployment's router reads them from its settings (KVFLOW_KV_DECODE_WEIGHT, ...)")
+        if kv_host_gb is not None or kv_disk_gb is not None or num_kv_blocks is not None:
+            raise typer.BadParameter("--kv-host-gb/--kv-disk-gb/--num-kv-blocks size the offline simulation's "
+                                     "engines; online, the deployment's workers have theirs (`kvflow up "
+                                     "--kv-host-gb ...`)")
         if prefill_workers or decode_workers:
             raise typer.BadParameter("--prefill-workers/--decode-workers size the offline simulation; online, the "
                                      "deployment's own workers serve (`kvflow up --prefill-workers ...`)")

@@ -28,6 +28,10 @@ _ROWS: list[tuple[str, Callable[[Report], str]]] = [
      else f"{r.shed or 0:,} / {r.queued or 0:,}"),
     ("duration (s)", lambda r: f"{r.duration_s:,.1f}"),
     ("prefix hit rate", lambda r: f"{r.prefix_hit_rate:.1%}"),
+    ("hit rate device / host / disk", lambda r: "–" if r.tier_hit_rates is None else " / ".join(
+        f"{r.tier_hit_rates.get(t, 0.0):.1%}" for t in ("device", "host", "disk"))),
+    ("recomputed prefill tokens", lambda r: "–" if r.recomputed_prefill_tokens is None
+     else f"{r.recomputed_prefill_tokens:,}"),
     ("TTFT p50 (ms)", _lat(lambda r: r.ttft_ms, "p50")),
     ("TTFT p90 (ms)", _lat(lambda r: r.ttft_ms, "p90")),
     ("TTFT p99 (ms)", _lat(lambda r: r.ttft_ms, "p99")),

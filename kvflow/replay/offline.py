@@ -60,6 +60,14 @@ def _router_counts(res: SimResult) -> dict:
     return {"shed": res.router_counts.get("shed", 0), "queued": res.router_counts.get("queued", 0)}
 
 
+def _tier_fields(res: SimResult) -> dict:
+    """The report's KV-tier fields (``recomputed_prefill_tokens``, ``tier_hit_rates``, ``kv_tiers``)."""
+    n = res.tier_prompt_tokens
+    rates = {t: (c / n if n else 0.0) for t, c in res.tier_cached_tokens.items()}
+    return {"recomputed_prefill_tokens": res.recomputed_prefill_tokens, "tier_hit_rates": rates,
+            "kv_tiers": {k: round(v, 3) for k, v in res.tier_counters.items()} or None}
+
+
 def run_offline(
     trace_path: str | Path,
     workers: int = 8,
@@ -173,7 +181,7 @@ def run_offline(
         options=_options(trace, config, res), **_router_counts(res),
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
-    report = report.model_copy(update={"replica_hours": hours})
+    report = report.model_copy(update={"replica_hours": hours, **_tier_fields(res)})
     if res.disaggregated:
         summary = disagg_summary(
             res.records, worker_roles=res.worker_roles, busy_ms=res.busy_ms, duration_ms=report.duration_s * 1000.0,
@@ -215,6 +223,7 @@ def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig
         "static_peak_sla_attainment": ev.static_peak.sla_attainment,
         "static_mean_sla_attainment": ev.static_mean.sla_attainment,
         "planner": ev.summary,
+        **_tier_fields(res),
     })
     write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
                   plot_dir=plot_dir)

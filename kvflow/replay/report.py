@@ -309,6 +309,14 @@ class Report(BaseModel):
     ``queued`` those it held in its bounded queue before routing or
     shedding them (the ``shed_*`` settings, :mod:`kvflow.router.shedding`);
     None online, where the router's decisions are not observed.
+    Offline, ``recomputed_prefill_tokens`` counts prompt tokens the engines
+    computed although some worker had computed their block earlier in the
+    run (it was evicted, or is cached on another worker);
+    ``tier_hit_rates`` gives the fraction of prompt tokens served from each
+    KV tier (``device``, ``host``, ``disk``; they sum to the prefix hit rate
+    of requests that got a first token); ``kv_tiers`` sums the workers'
+    offload/onboard counters (:class:`~kvflow.workers.kv.tiers.TierStats`;
+    None without host or disk tier). All three are None online.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -351,6 +359,9 @@ class Report(BaseModel):
     disagg: DisaggSummary | None = None
     shed: int | None = None
     queued: int | None = None
+    recomputed_prefill_tokens: int | None = None
+    tier_hit_rates: dict[str, float] | None = None
+    kv_tiers: dict[str, float] | None = None
     quantiles_ms: dict[str, list[float]] = {}
     """``ttft``, ``itl`` and ``e2e`` latency at each percentile 0, 1, ..., 100 (101
     values, ms; absent without samples): the CDFs ``kvflow replay compare --plots`` draws."""
@@ -653,6 +664,10 @@ def render_markdown(report: Report) -> str:
     ]
     if r.shed is not None or r.queued is not None:
         lines.append(f"- router: {r.shed or 0:,} shed, {r.queued or 0:,} queued")
+    if r.tier_hit_rates is not None:
+        t = r.tier_hit_rates
+        lines.append(f"- KV tiers: hit rate device {t.get('device', 0):.1%}, host {t.get('host', 0):.1%}, "
+                     f"disk {t.get('disk', 0):.1%}; {r.recomputed_prefill_tokens or 0:,} prefill tokens recomputed")
     if r.replica_hours is not None:
         lines.append(f"- replica-hours: {r.replica_hours:.3f}")
     if r.wall_time_s is not None:

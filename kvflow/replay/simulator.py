@@ -89,7 +89,7 @@ import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 from kvflow.replay.report import RequestRecord, TimelineSample
@@ -263,6 +263,15 @@ class SimResult:
     ``router_counts`` are the router core's counters
     (:data:`kvflow.router.core.COUNTERS`: ``routed``, ``queued``, ``shed``,
     ``rejected``, ``released``, ``queue_timeouts``, ...).
+
+    KV tiers (all workers together): ``recomputed_prefill_tokens`` are prompt
+    tokens computed again although some worker had computed their block
+    before (evicted, or cached elsewhere); ``tier_cached_tokens`` splits the
+    cached prompt tokens of requests that got their first token by the tier
+    that served them (``device``, ``host``, ``disk``), over
+    ``tier_prompt_tokens``, those requests' prompt tokens;
+    ``tier_counters`` sums the workers' :class:`~kvflow.workers.kv.tiers.TierStats`
+    (empty without tiers).
     """
 
     records: list[RequestRecord]
@@ -280,6 +289,10 @@ class SimResult:
     decode_tokens: dict[str, int] = field(default_factory=dict)
     prefill_plans: dict[str, int] = field(default_factory=dict)
     router_counts: dict[str, int] = field(default_factory=dict)
+    recomputed_prefill_tokens: int = 0
+    tier_prompt_tokens: int = 0
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
+    tier_counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def disaggregated(self) -> bool:
@@ -353,6 +366,7 @@ class Simulation:
         self._transferring: dict[str, _Handoff] = {}  # KV in flight to the decode worker
         self._plans: Counter[str] = Counter()
         self._router_tick_due = False  # a _ROUTER_TICK is on the heap
+        self._computed_blocks: set[int] = set()  # every prompt block computed on any worker (recompute count)
         for _ in range(config.workers):
             self.add_worker(startup_ms=0.0)
         for _ in range(config.prefill_workers):
@@ -379,7 +393,9 @@ class Simulation:
         worker_id = f"{_ROLE_PREFIX[role]}-{n:03d}"
         if role != WorkerRole.aggregated:
             self._disagg = True
-        w = self.workers[worker_id] = SimWorker(worker_id, role, MockerCore(self.mocker_config, worker_id),
+        core = MockerCore(self.mocker_config, worker_id)
+        core.computed_blocks = self._computed_blocks
+        w = self.workers[worker_id] = SimWorker(worker_id, role, core,
                                                 ready_ms=self.now_ms + (self.config.worker_startup_ms
                                                                         if startup_ms is None else startup_ms))
         if w.ready_ms > self.now_ms:
@@ -535,7 +551,7 @@ class Simulation:
 
     def _start_step(self, w: SimWorker) -> None:
         now = self.now_ms
-        res = w.core.step()
+        res = w.core.step(now_ms=now)
         if not res.outputs and not res.prefill_tokens and not res.decode_tokens:
             # Nothing could be scheduled; with the pool sized for every accepted
             # request this does not happen, but never spin on it.
@@ -735,7 +751,23 @@ class Simulation:
             decode_tokens={w.worker_id: w.core.decode_tokens_total for w in ws},
             prefill_plans=dict(self._plans),
             router_counts=dict(self.core.counters),
+            **_tier_totals([w.core for w in ws]),
         )
+
+
+def _tier_totals(cores: list[MockerCore]) -> dict:
+    """The KV-tier fields of :class:`SimResult`, summed over ``cores``."""
+    cached = Counter()
+    counters: Counter = Counter()
+    for core in cores:
+        cached.update(core.cached_tokens_by_tier)
+        if core.tiers is not None:
+            counters.update({k: v for k, v in asdict(core.tiers.stats).items()
+                             if k not in ("lookup_blocks", "device_hit_blocks")})
+    return {"recomputed_prefill_tokens": sum(c.recomputed_prefill_tokens for c in cores),
+            "tier_prompt_tokens": sum(c.first_token_prompt_tokens for c in cores),
+            "tier_cached_tokens": {t: cached.get(t, 0) for t in ("device", "host", "disk")},
+            "tier_counters": dict(counters)}
 
 
 def simulate(trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,

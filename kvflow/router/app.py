@@ -429,7 +429,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
             await app.producer.send(target.queue_topic, request.request_id.encode(), encode(record),
                                     target.queue_partition, None, inject_headers(trace_ctx))
-            produced(target.queue_topic)  # a worker in this process may be parked in a long poll
+            produced(target.queue_topic, target.queue_partition)  # its worker may be parked in a long poll
             state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
                                       placement.decision.prefill_worker_id, request.reply_to, request.attempt))
         elif decision.error is not None:
@@ -476,6 +476,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     async def request_dump(worker_id: str) -> None:
         ask = KvDumpRequest(worker_id=worker_id, requested_by=router_id, ts_ms=now_ms())
         await app.producer.send(catalog.kv_dump_requests.name, worker_id.encode(), encode(ask), 0, None, None)
+        produced(catalog.kv_dump_requests.name, 0)
 
     async def answer_lost(worker_id: str) -> None:
         for routed in state.orphans.take_lost([worker_id]):

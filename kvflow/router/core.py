@@ -128,8 +128,10 @@ class Arrival:
 
     @classmethod
     def of(cls, request: InferenceRequest) -> "Arrival":
-        """The arrival of a requests-topic record (its token ids shared, not copied)."""
-        tokens = request.token_ids
+        """The arrival of a requests-topic record (its token ids shared, not
+        copied; the row ids of its prompt embeddings, see
+        :meth:`~kvflow.schemas.InferenceRequest.hash_ids`)."""
+        tokens = request.hash_ids()
         return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
                    request.lora_name, request.created_ms, request.deadline_ms, request)
 

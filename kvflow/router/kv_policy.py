@@ -119,8 +119,12 @@ class KvPolicyConfig:
         host_weight: credit per block cached in host memory. Defaults to
             ``0.75`` (kvflow's choice: loading from host costs a fraction of
             recomputing).
-        disk_weight: credit per block cached on disk. Defaults to ``0.5``
-            (kvflow's choice).
+        disk_weight: credit per block cached on disk. Defaults to ``0.25``
+            (kvflow's choice: with the mocker's tier model, loading a block
+            from one NVMe disk and copying it to the device takes about as
+            long as recomputing it, so a disk hit mostly saves compute
+            for other requests, not time; see ``docs/benchmarks.md``, "KV
+            cache tiers").
         prefill_load_scale: weight of prefill blocks (new and queued) against
             decode load. Defaults to ``1.0``.
         queue_weight: weight of the prompt work already queued on a worker,
@@ -146,7 +150,7 @@ class KvPolicyConfig:
 
     overlap_credit: float = 1.0
     host_weight: float = 0.75
-    disk_weight: float = 0.5
+    disk_weight: float = 0.25
     prefill_load_scale: float = 1.0
     queue_weight: float = 0.5
     decode_weight: float = 8.0
@@ -155,14 +159,15 @@ class KvPolicyConfig:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "KvPolicyConfig":
-        """The weights set by ``settings`` (``kv_overlap_credit``, ``kv_queue_weight``,
-        ``kv_decode_weight``, ``kv_temperature`` of :class:`kvflow.settings.Settings`);
-        the other fields keep their defaults.
+        """The weights set by ``settings`` (``kv_overlap_credit``, ``kv_host_weight``,
+        ``kv_disk_weight``, ``kv_queue_weight``, ``kv_decode_weight``, ``kv_temperature``
+        of :class:`kvflow.settings.Settings`); the other fields keep their defaults.
 
         Raises:
             ValueError: a negative value.
         """
-        return cls(overlap_credit=settings.kv_overlap_credit, queue_weight=settings.kv_queue_weight,
+        return cls(overlap_credit=settings.kv_overlap_credit, host_weight=settings.kv_host_weight,
+                   disk_weight=settings.kv_disk_weight, queue_weight=settings.kv_queue_weight,
                    decode_weight=settings.kv_decode_weight, temperature=settings.kv_temperature)
 
     def __post_init__(self) -> None:

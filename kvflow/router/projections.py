@@ -21,6 +21,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, make_consumer
+from kvflow.streams.workers import liveness_idle_wait_ms
 
 __all__ = ["Follow", "follow_topics"]
 
@@ -62,7 +63,9 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, policies: 
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
     hot_topics = {f.spec.name for f in follows if f.hot}
-    policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT)
+    # It folds heartbeats the router judges liveness by: bounded idle wait (see liveness_idle_wait_ms).
+    policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT,
+                              idle_ms=liveness_idle_wait_ms(settings))
     if policy is not None and policies is not None:
         policies.append(policy)
     order = {f.spec.name: i for i, f in enumerate(follows)}

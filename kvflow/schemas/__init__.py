@@ -32,9 +32,10 @@ from kvflow.schemas.kv_events import (
     decode_kv_frame,
     encode_kv_batch,
 )
-from kvflow.schemas.metrics import MetricRecord, RequestMetrics, WorkerMetrics
+from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
+    EmbeddingRequest,
     InferenceRequest,
     ReplyTo,
     RequestKind,
@@ -43,6 +44,7 @@ from kvflow.schemas.requests import (
 )
 from kvflow.schemas.responses import (
     DEADLINE_EXCEEDED,
+    EmbeddingResult,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -52,18 +54,21 @@ from kvflow.schemas.responses import (
     Usage,
     deadline_exceeded,
 )
+from kvflow.schemas.responses_log import StoredResponse
 from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
     "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
-    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "ErrorInfo",
+    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest",
+    "EmbeddingResult", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
-    "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "Timings", "TokenDelta",
-    "Usage", "WorkerHeartbeat", "WorkerMetrics", "WorkerRole", "WorkerStatus", "deadline_exceeded", "decode",
+    "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "StoredResponse", "Timings",
+    "TokenDelta", "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "WorkerRole", "WorkerStatus",
+    "deadline_exceeded", "decode",
     "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",
 ]

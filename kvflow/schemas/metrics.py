@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvflow.schemas.base import Record
 
-__all__ = ["RequestMetrics", "WorkerMetrics", "MetricRecord"]
+__all__ = ["KvTierMetrics", "RequestMetrics", "WorkerMetrics", "MetricRecord"]
 
 
 class RequestMetrics(Record):
@@ -33,6 +33,39 @@ class RequestMetrics(Record):
     source: str = "bridge"
 
 
+class KvTierMetrics(BaseModel):
+    """A worker's KV tier counters (G2 host memory, G3 disk), cumulative since it started.
+
+    Directions: ``offloaded_*`` device -> host (blocks evicted from engine
+    memory), ``demoted_*`` host -> disk, ``onboarded_host_*`` host ->
+    device and ``onboarded_disk_*`` disk -> device (prefix hits loaded back
+    instead of recomputed). Blocks are the engine's KV blocks; bytes as they
+    take in that tier (disk: file sizes). ``*_hit_rate``: fraction of the
+    prompt blocks looked up that each tier served (the three sum to the
+    worker's block hit rate). ``disk_corrupt_blocks``: disk blocks found
+    missing or failing their checksum (recomputed, never served).
+    ``onboard_ms``: time spent loading blocks back (measured by hf, modelled
+    by the mocker). ``host_used_bytes``/``disk_used_bytes``: held now.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    demoted_blocks: int = 0
+    demoted_bytes: int = 0
+    onboarded_host_blocks: int = 0
+    onboarded_host_bytes: int = 0
+    onboarded_disk_blocks: int = 0
+    onboarded_disk_bytes: int = 0
+    disk_corrupt_blocks: int = 0
+    device_hit_rate: float = 0.0
+    host_hit_rate: float = 0.0
+    disk_hit_rate: float = 0.0
+    onboard_ms: float = 0.0
+    host_used_bytes: int = 0
+    disk_used_bytes: int = 0
+
+
 class WorkerMetrics(Record):
     """A worker's load snapshot, published every few seconds.
 
@@ -52,6 +85,8 @@ class WorkerMetrics(Record):
     decode_tokens_per_s: float = 0.0
     aborted_requests: int = Field(default=0, ge=0)
     """Requests this worker aborted on a cancel record since its previous snapshot."""
+    kv_tiers: KvTierMetrics | None = None
+    """KV tier counters; None when the worker has no host or disk tier."""
 
 
 MetricRecord = Annotated[Union[RequestMetrics, WorkerMetrics], Field(discriminator="type")]

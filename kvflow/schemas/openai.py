@@ -13,9 +13,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from kvflow.schemas.requests import MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
+from kvflow.schemas.requests import MAX_EMBEDDING_INPUTS, MAX_STOP_SEQUENCES, MAX_TIMEOUT_S, MAX_TOKENS_LIMIT
 
 __all__ = [
     "MAX_STOP_CHARS",
@@ -41,6 +49,10 @@ __all__ = [
     "CompletionResponse",
     "ModelCard",
     "ModelList",
+    "EmbeddingsRequest",
+    "EmbeddingObject",
+    "EmbeddingsUsage",
+    "EmbeddingsResponse",
 ]
 
 
@@ -142,17 +154,30 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    """POST /v1/completions body: one prompt, as text or as token ids.
+    """POST /v1/completions body: one prompt, as text, token ids or embeddings.
 
     ``logprobs``, ``best_of`` and ``suffix`` are typed and bounded as OpenAI
     documents them but only their "off" values are served.
     """
 
-    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    prompt_embeds: str | None = None
+    """The prompt as embeddings instead: base64 of a ``torch.save``'d
+    ``[seq_len, hidden]`` tensor of the model's dtype (then ``prompt`` is
+    left out or empty)."""
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1, le=20)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        if self.prompt_embeds is not None:
+            if self.prompt:
+                raise ValueError("send either prompt or prompt_embeds, not both")
+        elif self.prompt is None:
+            raise ValueError("prompt is required")
+        return self
 
 
 class ErrorBody(BaseModel):
@@ -322,3 +347,70 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------
+# Embeddings (POST /v1/embeddings).
+# ---------------------------------------------------------------------------
+
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+_Texts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+_IdLists = Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class EmbeddingsRequest(BaseModel):
+    """POST /v1/embeddings body.
+
+    ``input`` is one text, a list of texts, one list of token ids, or a list
+    of them (ids of the model's own tokenizer, without special tokens), at
+    most :data:`~kvflow.schemas.requests.MAX_EMBEDDING_INPUTS` inputs, none
+    empty. ``encoding_format`` ``base64`` sends each vector as the base64 of
+    its little-endian float32 bytes. ``dimensions`` truncates each vector to
+    that many components (re-normalized), on Matryoshka-trained models only;
+    other models take only their own width (400 otherwise).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    input: Annotated[str, Field(min_length=1)] | _Texts | _TokenIds | _IdLists
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """kvflow extension: seconds from arrival to the request's deadline, as
+    on chat completions (also the ``X-Request-Timeout`` header)."""
+
+    def inputs(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """``(texts, token_ids)``: the inputs as a list, exactly one of the two set."""
+        value = self.input
+        if isinstance(value, str):
+            return [value], None
+        if value and isinstance(value[0], str):
+            return list(value), None  # type: ignore[arg-type]
+        if value and isinstance(value[0], int):
+            return None, [list(value)]  # type: ignore[arg-type]
+        return None, [list(ids) for ids in value]  # type: ignore[union-attr]
+
+
+class EmbeddingObject(BaseModel):
+    """One vector of an embeddings answer: floats, or a base64 string."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(BaseModel):
+    """Token counts of an embeddings request (no completion tokens)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    """POST /v1/embeddings answer: one :class:`EmbeddingObject` per input, in order."""
+
+    object: Literal["list"] = "list"
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingsUsage

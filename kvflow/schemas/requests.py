@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow.schemas.base import Record
 from kvflow.schemas.decisions import CandidateCost
+from kvflow.schemas.prompt_embeds import PromptEmbeds
 
 __all__ = [
     "MAX_TOKENS_LIMIT",
@@ -20,6 +21,8 @@ __all__ = [
     "RoutingDecision",
     "RequestKind",
     "InferenceRequest",
+    "MAX_EMBEDDING_INPUTS",
+    "EmbeddingRequest",
 ]
 
 
@@ -104,9 +107,13 @@ class RequestKind(str, Enum):
 class InferenceRequest(Record):
     """An inference request: the record on the requests topic and worker queues.
 
-    Exactly one of ``messages`` (chat), ``prompt`` (text completion) or
-    ``token_ids`` must carry the input; ``token_ids`` may be present alongside
-    either when the producer already tokenized (KV-aware routing needs them).
+    Exactly one of ``messages`` (chat), ``prompt`` (text completion),
+    ``token_ids`` or ``prompt_embeds`` must carry the input; ``token_ids``
+    may be present alongside the first two when the producer already
+    tokenized (KV-aware routing needs them). A request with
+    ``prompt_embeds`` is routed and prefix-cached by their row ids
+    (:meth:`~kvflow.schemas.prompt_embeds.PromptEmbeds.row_ids`, see
+    :meth:`hash_ids`).
 
     Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
     caller stops waiting: a worker ends the request then (error
@@ -137,11 +144,66 @@ class InferenceRequest(Record):
     disaggregated_params: dict[str, Any] | None = None
     attempt: int = Field(default=0, ge=0, le=1000)
     resumed_tokens: int = Field(default=0, ge=0)
+    prompt_embeds: PromptEmbeds | None = None
 
     @model_validator(mode="after")
     def _has_input(self) -> "InferenceRequest":
+        if self.prompt_embeds is not None:
+            if self.messages is not None or self.prompt is not None or self.token_ids is not None:
+                raise ValueError("prompt_embeds carries the whole prompt: no messages, prompt or token_ids with it")
+            return self
         if self.messages is None and self.prompt is None and self.token_ids is None:
-            raise ValueError("one of messages, prompt or token_ids is required")
+            raise ValueError("one of messages, prompt, token_ids or prompt_embeds is required")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages must not be empty")
         return self
+
+    def hash_ids(self) -> list[int] | None:
+        """The ids a router hashes into KV blocks: ``token_ids``, or the row
+        ids of ``prompt_embeds``; None when the producer did not tokenize."""
+        if self.prompt_embeds is not None:
+            return self.prompt_embeds.row_ids()
+        return self.token_ids
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Most inputs one embeddings request may carry (the OpenAI API's limit)."""
+
+
+class EmbeddingRequest(Record):
+    """One embeddings request: the record on the ``queue.embedding`` topic.
+
+    An encoder keeps no KV between requests, so embeddings requests skip the
+    router: the producer (the HTTP bridge) picks a live embedding worker and
+    writes the request to that worker's partition; the worker answers with
+    one :class:`~kvflow.schemas.responses.EmbeddingResult` on ``reply_to``.
+
+    Exactly one of ``texts`` and ``token_ids`` is set, one entry per input
+    (``[num_inputs]`` strings, or ``[num_inputs][seq_len]`` ids of the
+    worker's tokenizer). ``dimensions``: keep the first this many components
+    of each vector and re-normalize (the OpenAI API's ``dimensions``; a
+    worker takes it only for a Matryoshka-trained model, else only the
+    model's own width); None keeps the model's width. Times are
+    epoch ms; a worker drops a request already past ``deadline_ms``.
+    """
+
+    request_id: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1)
+    texts: list[str] | None = Field(default=None, min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    token_ids: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    dimensions: int | None = Field(default=None, ge=1)
+    reply_to: ReplyTo
+    created_ms: int = 0
+    deadline_ms: int | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "EmbeddingRequest":
+        if (self.texts is None) == (self.token_ids is None):
+            raise ValueError("exactly one of texts or token_ids is required")
+        return self
+
+    @property
+    def num_inputs(self) -> int:
+        """How many vectors the request asks for."""
+        return len(self.texts) if self.texts is not None else len(self.token_ids or ())

@@ -12,7 +12,7 @@ from kvflow.schemas.requests import RoutingDecision
 from kvflow.schemas.transfer import KvTransferInfo
 
 __all__ = ["DEADLINE_EXCEEDED", "FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse",
-           "ResponseEvent", "deadline_exceeded"]
+           "EmbeddingResult", "ResponseEvent", "deadline_exceeded"]
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
 """``ErrorInfo.code`` of a request that passed its ``deadline_ms`` (HTTP 504)."""
@@ -61,6 +61,8 @@ class ErrorInfo(BaseModel):
     status: int = 500
     retry_after_s: int | None = None
     """For 503s: seconds after which a retry may succeed (HTTP ``Retry-After``)."""
+    param: str | None = None
+    """For 4xx: the request field at fault (the OpenAI error's ``param``), when known."""
 
 
 def deadline_exceeded(message: str) -> ErrorInfo:
@@ -106,5 +108,25 @@ class FinalResponse(Record):
     """The request's ``attempt`` this record answers (see :class:`~kvflow.schemas.InferenceRequest`)."""
 
 
-ResponseEvent = Annotated[Union[TokenDelta, FinalResponse], Field(discriminator="type")]
-"""Either record type on the responses topic, told apart by ``type``."""
+class EmbeddingResult(Record):
+    """The answer to an :class:`~kvflow.schemas.requests.EmbeddingRequest`: one record per request.
+
+    ``embeddings`` holds one L2-normalized vector per input, in input order
+    (``[num_inputs][dim]`` floats); ``prompt_tokens`` counts the tokens
+    encoded (after truncation to the model's longest input). ``error`` is
+    set, and ``embeddings`` empty, when the request failed.
+    """
+
+    type: Literal["embedding"] = "embedding"
+    request_id: str
+    model: str = ""
+    embeddings: list[list[float]] = Field(default_factory=list)
+    prompt_tokens: int = Field(default=0, ge=0)
+    worker_id: str = ""
+    error: ErrorInfo | None = None
+
+
+ResponseEvent = Annotated[Union[TokenDelta, FinalResponse, EmbeddingResult], Field(discriminator="type")]
+"""Any record on the responses topic, told apart by ``type``: the token
+deltas and final response of a generation request, or the one result of an
+embeddings request."""

@@ -12,11 +12,14 @@ __all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat"]
 
 
 class WorkerRole(str, Enum):
-    """What a worker does: both phases, prefill only, or decode only."""
+    """What a worker does: both phases, prefill only, or decode only; or
+    ``embedding``: encodes inputs into vectors (``/v1/embeddings``), never
+    routed a generation request."""
 
     aggregated = "aggregated"
     prefill = "prefill"
     decode = "decode"
+    embedding = "embedding"
 
 
 class WorkerStatus(str, Enum):

@@ -28,7 +28,8 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import make_consumer, make_producer
+from kvflow.streams.fetch_wait import produced
+from kvflow.streams.kafka import open_doorbell, make_consumer, make_producer
 
 __all__ = ["AdminTimeout", "send_admin_command"]
 
@@ -64,6 +65,8 @@ async def send_admin_command(settings: Settings, worker_id: str, action: AdminAc
         await producer.start()
         try:
             await producer.send_and_wait(catalog.control.name, encode(command), key=worker_id.encode())
+            open_doorbell(settings)
+            produced(catalog.control.name, 0)  # an idle worker may be parked in a long poll
         finally:
             await producer.stop()
         deadline = asyncio.get_running_loop().time() + timeout_s

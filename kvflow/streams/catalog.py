@@ -18,6 +18,7 @@ from kvflow.schemas import (
     ControlRecord,
     DeadLetter,
     DecisionRecord,
+    EmbeddingRequest,
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
@@ -25,6 +26,7 @@ from kvflow.schemas import (
     MetricRecord,
     ResponseEvent,
     ScalingCommand,
+    StoredResponse,
     WorkerHeartbeat,
     WorkerRole,
 )
@@ -80,6 +82,14 @@ class Catalog:
                 "responses", partitions=RESPONSE_SLOTS, key="request_id", value_schema=ResponseEvent,
                 producers=("worker",), consumers=("bridge", "client"),
                 description="token deltas and final responses; partition = reply_to slot",
+            ),
+            # The conversation of every stored /v1/responses answer, keyed by
+            # response id; a bridge reads the one partition an id hashes to
+            # when a request chains from a response it did not store itself.
+            "responses_log": spec(
+                "responses-log", partitions=8, key="response_id", value_schema=StoredResponse,
+                retention_ms=30 * 24 * 3600 * 1000, producers=("bridge",), consumers=("bridge",),
+                description="stored /v1/responses conversations, for previous_response_id",
             ),
             "workers": spec(
                 "workers", partitions=4, key="worker_id", value_schema=WorkerHeartbeat,
@@ -154,11 +164,20 @@ class Catalog:
             ),
         }
         for role in WorkerRole:
+            if role is WorkerRole.embedding:
+                continue
             topics[f"queue.{role.value}"] = spec(
                 f"queue.{role.value}", partitions=QUEUE_SLOTS, key="request_id", value_schema=InferenceRequest,
                 producers=("router",), consumers=(f"{role.value}-worker",),
                 description=f"routed requests for {role.value} workers; partition = worker slot",
             )
+        # Embeddings skip the router (an encoder holds no KV to route by): the
+        # bridge picks a live embedding worker and writes to its slot.
+        topics["queue.embedding"] = spec(
+            "queue.embedding", partitions=QUEUE_SLOTS, key="request_id", value_schema=EmbeddingRequest,
+            producers=("bridge", "client"), consumers=("embedding-worker",),
+            description="embeddings requests for embedding workers; partition = worker slot",
+        )
         object.__setattr__(self, "topics", topics)
 
     def __getitem__(self, key: str) -> TopicSpec:
@@ -173,6 +192,11 @@ class Catalog:
     def responses(self) -> TopicSpec:
         """Token deltas and final responses."""
         return self.topics["responses"]
+
+    @property
+    def responses_log(self) -> TopicSpec:
+        """Stored /v1/responses conversations."""
+        return self.topics["responses_log"]
 
     @property
     def workers(self) -> TopicSpec:

@@ -63,6 +63,8 @@ from kvflow.schemas import (
     CancelReason,
     CancelRequest,
     ChatMessage,
+    EmbeddingRequest,
+    EmbeddingResult,
     FinalResponse,
     InferenceRequest,
     RecordError,
@@ -70,6 +72,7 @@ from kvflow.schemas import (
     ResponseEvent,
     SamplingParams,
     TokenDelta,
+    WorkerRole,
     decode,
     encode,
     now_ms,
@@ -221,7 +224,7 @@ class KvflowClient:
         else:
             self._consumer.seek(self._tp, offset)
         self._next_offset = await self._consumer.position(self._tp)
-        adapt_fetch_wait(self._consumer, self.settings)
+        adapt_fetch_wait(self._consumer, self.settings, busy=self._pending.__len__)  # streams in flight: poll fast
         self._progress = time.monotonic()
 
     async def stop(self) -> None:
@@ -366,6 +369,7 @@ class KvflowClient:
         record = CancelRequest(request_id=request_id, reason=reason, ts_ms=now_ms(),
                                requested_by=requested_by or f"{self.name}:{self.slot}")
         await self._producer.send_and_wait(self.catalog.cancels.name, encode(record), key=request_id.encode())
+        produced(self.catalog.cancels.name)  # the worker running it may be parked in a long poll
 
     def stream(self, request: InferenceRequest, *, key: str | None = None) -> "ResponseStream":
         """Send ``request`` (partition ``key`` as in :meth:`submit`) and iterate its
@@ -511,6 +515,43 @@ class KvflowClient:
                 if caught_up and request.deadline_ms is not None and now_ms() >= request.deadline_ms:
                     yield await self._expired(follower)
                     return
+
+    async def embed(self, request: EmbeddingRequest, partition: int) -> EmbeddingResult:
+        """Send an embeddings request to ``queue.embedding[partition]`` (the
+        slot of the embedding worker chosen by the caller) and return its
+        result (which may carry an ``error``).
+
+        Raises:
+            RequestTimeout: no result by the request's ``deadline_ms``, or
+                within ``timeout_s`` when it has none.
+            ValueError: ``request.reply_to`` is not this client's slot.
+            aiokafka.errors.KafkaError: the broker did not take the request.
+        """
+        if request.reply_to != self.reply_to:
+            raise ValueError("request.reply_to must be this client's reply_to")
+        wait_s = self.timeout_s
+        if request.deadline_ms is not None:
+            wait_s = min(wait_s, max(0.0, (request.deadline_ms - now_ms()) / 1000))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[request.request_id] = queue
+        try:
+            wake(self._consumer)
+            topic = self.catalog.queue(WorkerRole.embedding).name
+            await self._producer.send_and_wait(topic, encode(request), key=request.request_id.encode(),
+                                               partition=partition)
+            produced(topic)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + wait_s
+            while True:
+                try:
+                    _, event = await asyncio.wait_for(queue.get(), max(0.0, until - loop.time()))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"no embeddings for {request.request_id} within {wait_s:.1f} s") from None
+                if isinstance(event, EmbeddingResult):
+                    return event
+        finally:
+            if self._pending.get(request.request_id) is queue:
+                del self._pending[request.request_id]
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:
         """Send ``request`` and return its final response (deltas are skipped)."""

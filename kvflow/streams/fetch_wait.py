@@ -53,7 +53,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FetchWaitPolicy", "PartitionState", "install", "patch_fetcher", "wake", "wake_policy", "produced"]
+__all__ = ["FetchWaitPolicy", "PartitionState", "install", "patch_fetcher", "wake", "wake_policy", "produced",
+           "woken"]
 
 PartitionState = tuple[Any, int | None, int | None]
 """One assigned partition as the policy sees it: (topic-partition with a
@@ -75,6 +76,10 @@ class FetchWaitPolicy:
     active_window_s: float = 2.0
     stuck_after_s: float = 5.0
     hot: Callable[[str], bool] | None = None
+    busy: Callable[[], bool] | None = None
+    """True while the consumer's process waits on records it will read (e.g.
+    a client with streams in flight): counts as activity, so the consumer
+    never parks in a long poll then. None: never busy."""
     cut_above_ms: int = 50
     """A wake cuts short an in-flight fetch sent with a longer wait than this."""
     sent_ms: int = 0
@@ -121,6 +126,8 @@ class FetchWaitPolicy:
             self._last_hw[tp] = highwater
             if last is not None and highwater > last and (self.hot is None or self.hot(tp.topic)):
                 self._last_activity = now
+        if self.busy is not None and self.busy():
+            self._last_activity = now
         quiet = now - self._last_activity - self.active_window_s
         self.quiet = not behind and quiet >= 0
         if behind:
@@ -166,6 +173,20 @@ def patch_fetcher() -> None:
         return actions
 
     Fetcher._get_actions_per_node = _get_actions_per_node
+
+    # A seek or offset reset waits for the in-flight fetch (aiokafka sends one request at a
+    # time per broker): cut a parked one, or a worker positioning its partitions at start-up
+    # would wait out each idle poll in turn.
+    def cutting(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(self, *args, **kwargs)
+            wake_policy(getattr(self, "_kvflow_wait", None))
+            return result
+        return wrapper
+
+    Fetcher.request_offset_reset = cutting(Fetcher.request_offset_reset)
+    Fetcher.seek_to = cutting(Fetcher.seek_to)
     Fetcher._kvflow_adaptive = True
 
 
@@ -182,6 +203,7 @@ def install(consumer: Any, policy: FetchWaitPolicy) -> FetchWaitPolicy:
     if fetcher is None:
         raise RuntimeError("install a fetch-wait policy after the consumer has started")
     patch_fetcher()
+    policy._last_activity = max(policy._last_activity, time.monotonic())  # positioning at start: poll fast
     fetcher._kvflow_wait = policy
     loop = fetcher._loop
     policy.cut = functools.partial(_cut_threadsafe, loop, weakref.ref(consumer))
@@ -235,23 +257,38 @@ def wake_policy(policy: FetchWaitPolicy | None) -> None:
         policy.cut()
 
 
-def produced(topic: str) -> None:
-    """Tell this process's adaptive consumers that a record was just sent to
-    ``topic``: any of them assigned that topic wakes (and cuts a long fetch).
+def produced(topic: str, partition: int | None = None) -> None:
+    """Tell the adaptive consumers of ``topic`` (``partition``, or None for
+    any) that a record was just sent there: any of them parked in a long
+    fetch wakes and cuts it short, in this process (:func:`woken`) and, on
+    the embedded broker, in the other processes of this host
+    (:func:`kvflow.streams.doorbell.ring`).
 
-    Lets a hop whose producer and consumer share a process (bridge → router
-    in ``kvflow up``) skip the idle wait of the first record after a quiet
-    spell. Cheap when nothing is parked: one comparison per consumer.
+    So the first record after a quiet spell does not wait out an idle
+    consumer's long poll on the hop it takes. Cheap when nothing is parked:
+    one comparison per local consumer, and at most one ring per partition
+    per :data:`~kvflow.streams.doorbell.RING_GAP_S`.
     """
+    woken(topic, partition)
+    from kvflow.streams.doorbell import ring
+
+    ring(topic, partition)
+
+
+def woken(topic: str, partition: int | None = None) -> None:
+    """Wake this process's adaptive consumers assigned ``topic``
+    (``partition``, or None for any) that are parked in a long fetch.
+    What a doorbell ring runs (:mod:`kvflow.streams.doorbell`)."""
     now = time.monotonic()
     for consumer, policy in list(_local.items()):
         if policy.sent_ms <= policy.cut_above_ms:
             continue
         try:
-            topics = {tp.topic for tp in consumer.assignment()}
+            assigned = consumer.assignment()
         except Exception:  # noqa: BLE001 - consumer stopping or being reassigned
             continue
-        if topic in topics and policy.wake(now) and policy.cut is not None:
+        if any(tp.topic == topic and (partition is None or tp.partition == partition) for tp in assigned) \
+                and policy.wake(now) and policy.cut is not None:
             policy.cut()
 
 

@@ -18,12 +18,13 @@ from aiokafka.errors import TopicAlreadyExistsError
 from kvflow.schemas import DeadLetter, RecordError, decode, encode
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.fetch_wait import FetchWaitPolicy, install
+from kvflow.streams import doorbell
+from kvflow.streams.fetch_wait import FetchWaitPolicy, install, woken
 from kvflow.streams.kafka_security import client_security
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
 __all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
-           "fetch_wait_policy", "adapt_fetch_wait", "NOT_HOT"]
+           "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -79,27 +80,45 @@ def NOT_HOT(topic: str) -> bool:
 
 
 def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None,
-                      idle_ms: int | None = None) -> FetchWaitPolicy:
+                      idle_ms: int | None = None, busy: Callable[[], bool] | None = None) -> FetchWaitPolicy:
     """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`);
-    ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms``."""
+    ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms``; ``busy`` says when
+    the consumer must not park in a long poll (see :attr:`FetchWaitPolicy.busy`)."""
     idle = settings.fetch_idle_wait_ms if idle_ms is None else min(idle_ms, settings.fetch_idle_wait_ms)
     return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=idle,
                            catch_up_ms=settings.fetch_catch_up_wait_ms,
-                           active_window_s=settings.fetch_active_window_s, hot=hot)
+                           active_window_s=settings.fetch_active_window_s, hot=hot, busy=busy)
+
+
+def open_doorbell(settings: Settings) -> None:
+    """On the embedded broker, make this process's parked consumers wakeable by
+    producers in other processes (:mod:`kvflow.streams.doorbell`); no-op on a
+    real Kafka cluster or when the socket cannot be opened (logged: long polls
+    then run out on their own, as without it). Call from the running loop."""
+    if not settings.embedded_broker:
+        return
+    try:
+        doorbell.open_doorbell(bootstrap(settings), woken)
+    except OSError as exc:
+        log.warning("no doorbell for cross-process wake-ups (%s); idle consumers wait out their long polls", exc)
 
 
 def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
-                     hot: Callable[[str], bool] | None = None, *, idle_ms: int | None = None) -> FetchWaitPolicy | None:
-    """Give a started consumer of the embedded broker an adaptive fetch wait.
+                     hot: Callable[[str], bool] | None = None, *, idle_ms: int | None = None,
+                     busy: Callable[[], bool] | None = None) -> FetchWaitPolicy | None:
+    """Give a started consumer of the embedded broker an adaptive fetch wait,
+    and open this process's doorbell (:func:`open_doorbell`).
 
     ``hot``: topics whose records count as activity (None: all; :func:`NOT_HOT`
-    for background consumers); ``idle_ms``: a lower cap on its quiet wait.
+    for background consumers); ``idle_ms``: a lower cap on its quiet wait;
+    ``busy``: see :attr:`FetchWaitPolicy.busy`.
     Returns the policy, or None on a real Kafka cluster, whose broker cuts
     long-polls short and needs none.
     """
     if not settings.embedded_broker:
         return None
-    return install(consumer, fetch_wait_policy(settings, hot, idle_ms))
+    open_doorbell(settings)
+    return install(consumer, fetch_wait_policy(settings, hot, idle_ms, busy))
 
 
 async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:

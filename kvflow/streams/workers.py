@@ -36,7 +36,8 @@ from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import make_consumer
 
-__all__ = ["WorkerView", "Workers", "assign_workers_topic", "catch_up", "follow_workers", "read_workers"]
+__all__ = ["WorkerView", "Workers", "assign_workers_topic", "catch_up", "follow_workers", "read_workers",
+           "liveness_idle_wait_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +235,15 @@ async def read_workers(settings: Settings, catalog: Catalog, idle_ms: int = 300,
         return workers
     finally:
         await consumer.stop()
+
+
+def liveness_idle_wait_ms(settings: Settings) -> int:
+    """Longest idle fetch long-poll (ms) of a consumer whose reader judges worker
+    liveness from heartbeats (router, bridge): half the silence a busy
+    worker's TTL tolerates after a missed beat, ``(worker_ttl_ms -
+    heartbeat_interval_ms) / 2`` (2,000 at the defaults), and never above
+    ``fetch_idle_wait_ms``. Periodic heartbeats ring no doorbell, so this
+    bounds how late such a reader sees one; a longer wait would expire live
+    workers."""
+    return max(1, min(settings.fetch_idle_wait_ms, (settings.worker_ttl_ms - settings.heartbeat_interval_ms) // 2))
+

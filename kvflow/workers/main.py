@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvflow.schemas import WorkerRole
@@ -17,7 +18,7 @@ from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
-__all__ = ["build_engine", "run_worker"]
+__all__ = ["build_engine", "run_worker", "run_embedding_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,13 @@ log = logging.getLogger(__name__)
 def build_engine(engine: str, model: str, *, block_size: int | None = None, num_kv_blocks: int | None = None,
                  speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker",
                  tokenizer: str | None = None, kv_cache_gb: float | None = None, dtype: str = "auto",
-                 compiled: bool | None = None, kv_connector: Any = None) -> tuple[Engine, str, str]:
+                 compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
+                 kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
+
+    ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
+    hf engines (:mod:`kvflow.workers.kv.tiers`; the mocker models them, hf
+    keeps real tensors, its disk files under ``kv_disk_dir``).
 
     ``kv_cache_gb``, ``dtype`` and ``compiled`` are the vllm engine's
     (:class:`~kvflow.workers.engines.vllm.VllmOptions`); other engines ignore them.
@@ -48,6 +54,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["block_size"] = block_size
         if num_kv_blocks:
             kw["num_kv_blocks"] = num_kv_blocks
+        kw["kv_host_bytes"], kw["kv_disk_bytes"] = int(kv_host_gb * 2**30), int(kv_disk_gb * 2**30)
         spec = "bytes"
         if tokenizer and tokenizer != "bytes":
             from kvflow.models.resolve import resolve_model
@@ -63,7 +70,12 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         kw = {"block_size": block_size} if block_size else {}
         if num_kv_blocks:
             kw["num_kv_blocks"] = num_kv_blocks
+        if kv_host_gb or kv_disk_gb:
+            kw["extra"] = {"kv_host_gb": kv_host_gb, "kv_disk_gb": kv_disk_gb, "kv_disk_dir": kv_disk_dir}
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
+    if engine == "vllm" and (kv_host_gb or kv_disk_gb):
+        raise ValueError("--kv-host-gb/--kv-disk-gb: the vllm engine has no kvflow KV tiers (use vLLM's own "
+                         "offloading)")
     if engine == "vllm":
         from kvflow.workers.engines.vllm import VllmOptions
         from kvflow.models.resolve import resolve_model
@@ -82,20 +94,59 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                      block_size: int | None = None, num_kv_blocks: int | None = None,
                      speedup_ratio: float = 1.0, device: str = "cpu", tokenizer: str | None = None,
                      kv_cache_gb: float | None = None, dtype: str = "auto", compiled: bool | None = None) -> None:
-    """Run a worker until it is drained (SIGTERM/SIGINT) or stopped (engine options: :func:`build_engine`)."""
+    """Run a worker until it is drained (SIGTERM/SIGINT) or stopped (engine options: :func:`build_engine`;
+    KV tiers from ``settings.kv_host_gb``/``kv_disk_gb``, disk files in
+    ``<kv_disk_dir or data_dir/kv-disk>/<worker id>``).
+
+    Role ``embedding`` runs :func:`run_embedding_worker` on ``model`` (engine options are ignored).
+    """
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
+    if role is WorkerRole.embedding:
+        await run_embedding_worker(settings, slot=slot, model=model, worker_id=worker_id, device=device)
+        return
     connector = None
     if engine == "vllm":
         from kvflow.workers.engines.vllm_disagg import connector_for_role
 
         connector = connector_for_role(role, settings.vllm_kv_connector, settings.vllm_kv_store_dir,
                                        settings.namespace)
+    disk_dir = None
+    if settings.kv_disk_gb:
+        disk_dir = str(Path(settings.kv_disk_dir or Path(settings.data_dir) / "kv-disk") / worker_id)
     eng, served_name, tokenizer = build_engine(engine, model, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                                speedup_ratio=speedup_ratio, device=device, worker_id=worker_id,
                                                tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
-                                               compiled=compiled, kv_connector=connector)
+                                               compiled=compiled, kv_connector=connector,
+                                               kv_host_gb=settings.kv_host_gb, kv_disk_gb=settings.kv_disk_gb,
+                                               kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role), eng)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+async def run_embedding_worker(settings: Settings, *, slot: int, model: str, worker_id: str,
+                               device: str = "cpu") -> None:
+    """Load the encoder ``model`` (:func:`kvflow.models.embedding.resolve_embedding_model`)
+    and serve ``queue.embedding[slot]`` until drained (SIGTERM/SIGINT) or stopped.
+
+    Raises:
+        kvflow.models.resolve.ModelNotFoundError: ``model`` cannot be resolved.
+    """
+    from kvflow.models.embedding import resolve_embedding_model
+    from kvflow.workers.embedding_worker import EmbeddingWorker, EmbeddingWorkerConfig
+    from kvflow.workers.encoder import load_encoder
+
+    resolved = resolve_embedding_model(model)
+    encoder = await asyncio.to_thread(load_encoder, resolved.path, device)
+    worker = EmbeddingWorker(settings, EmbeddingWorkerConfig(worker_id=worker_id, slot=slot, model=resolved.name,
+                                                             tokenizer=str(resolved.path)), encoder)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+def _drain_on_signals(worker: Any) -> None:
+    """SIGINT/SIGTERM: the first drains ``worker``, a second stops it."""
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
 
@@ -108,4 +159,3 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    await worker.run()

@@ -99,6 +99,7 @@ from kvflow.schemas import (
 from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, parse_stage
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
@@ -217,7 +218,8 @@ class Worker:
         if committed is None:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
-        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
+        # Busy: cancels for the requests it runs must not wait out an idle long poll.
+        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__, busy=self.inflight.__len__)
         await self._position_control()
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
@@ -566,7 +568,10 @@ class Worker:
 
     def prompt_ids(self, request: InferenceRequest) -> list[int]:
         """The request's prompt token ids (shape [ISL]): ``token_ids`` when the
-        producer tokenized, else the engine's tokenizer applied to the messages or prompt."""
+        producer tokenized, else the engine's tokenizer applied to the messages
+        or prompt; for prompt embeddings, their row ids."""
+        if request.prompt_embeds is not None:
+            return request.prompt_embeds.row_ids()  # keys its KV blocks; the embeddings are the prompt
         if request.token_ids is not None:
             return list(request.token_ids)
         tokenizer = self.tokenizer
@@ -595,6 +600,8 @@ class Worker:
             stage = parse_stage(request.disaggregated_params)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+        if stage is not None and request.prompt_embeds is not None:
+            raise EngineError("prompt embeddings are served by aggregated workers only")
         with tracer().start_as_current_span("engine generate") as span:
             span.set_attribute("kvflow.engine", self.engine.name)
             if isinstance(stage, PrefillStage):
@@ -606,9 +613,16 @@ class Worker:
                 await disagg.serve_decode(self, request, stage, received_ms)
                 return
             prompt_ids = self.prompt_ids(request)
+            embeds = None
+            if request.prompt_embeds is not None:
+                if not self.engine.accepts_prompt_embeds:
+                    raise EngineError(f"the {self.engine.name} engine takes no prompt embeddings")
+                from kvflow.workers.prompt_embeds import to_tensor
+
+                embeds = to_tensor(request.prompt_embeds)
             gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
                                   sampling=request.sampling, lora_name=request.lora_name,
-                                  resumed_tokens=request.resumed_tokens)
+                                  resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
             await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],
@@ -721,7 +735,9 @@ class Worker:
             queue_topic=self.queue_tp.topic, queue_partition=self.queue_tp.partition,
             active_requests=stats.active_requests, waiting_requests=stats.waiting_requests,
             active_prefill_tokens=stats.active_prefill_tokens, ts_ms=now_ms(),
-            ttl_ms=self.settings.worker_ttl_ms, started_ms=self.started_ms,
+            ttl_ms=self.settings.worker_ttl_ms + (self._idle_period_ms() - self.settings.heartbeat_interval_ms
+                                                  if self._idle() else 0),
+            started_ms=self.started_ms,
             host=f"{socket.gethostname()}:{os.getpid()}",
             lifecycle_seq=self.lifecycle_seq, inflight_requests=len(self.inflight),
         )
@@ -729,18 +745,36 @@ class Worker:
     async def _heartbeat(self) -> None:
         await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
                                           key=self.config.worker_id.encode())
+        produced(self.catalog.workers.name)  # a start or status change: routers and bridges should see it now
 
     async def publish_heartbeat(self) -> None:
         """Publish a heartbeat now (its status reaches routers without waiting for the next period)."""
         await self._heartbeat()
 
+    def _idle(self) -> bool:
+        return not self.inflight and self.status is WorkerStatus.serving
+
+    def _idle_period_ms(self) -> int:
+        idle = self.settings.heartbeat_idle_ms or 5 * self.settings.heartbeat_interval_ms
+        return max(idle, self.settings.heartbeat_interval_ms)
+
     async def _heartbeat_loop(self) -> None:
+        # Busy: a beat every interval. Idle and unchanged: one per idle period, with a TTL
+        # stretched to match, so an idle deployment sends (and its readers fetch) 5x fewer.
         interval = self.settings.heartbeat_interval_ms / 1000
-        last_metrics = time.monotonic()
+        last_metrics = last_beat = time.monotonic()
+        last_state: dict | None = None
         while True:
             await asyncio.sleep(interval)
             try:
-                sent = await self.producer.send(self.catalog.workers.name, encode(self._heartbeat_record()),
+                record = self._heartbeat_record()
+                state = record.model_dump(exclude={"ts_ms"})
+                now = time.monotonic()
+                if (state == last_state and self._idle()
+                        and now - last_beat < (self._idle_period_ms() - self.settings.heartbeat_interval_ms / 2) / 1000):
+                    continue
+                last_state, last_beat = state, now
+                sent = await self.producer.send(self.catalog.workers.name, encode(record),
                                                 key=self.config.worker_id.encode())
                 if time.monotonic() - last_metrics >= self.config.metrics_interval_s:
                     last_metrics = time.monotonic()
@@ -764,7 +798,7 @@ class Worker:
             kv_used_blocks=stats.used_blocks, kv_total_blocks=stats.total_blocks, queue_depth=len(self.inflight),
             prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
             decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
-            aborted_requests=aborted,
+            aborted_requests=aborted, kv_tiers=self.engine.kv_tier_metrics(),
         )
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:

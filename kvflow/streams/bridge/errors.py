@@ -116,11 +116,11 @@ def request_timeout(request_id: str, timeout_s: float) -> BridgeError:
 
 def from_error_info(info: ErrorInfo) -> BridgeError:
     """The error a worker or router reported on a :class:`FinalResponse`, at
-    its own status (a 2xx/1xx status there is treated as 500), with
-    ``Retry-After`` when the router gave one (load shedding)."""
+    its own status (a 2xx/1xx status there is treated as 500), with its
+    ``param``, and ``Retry-After`` when the router gave one (load shedding)."""
     status = info.status if 400 <= info.status <= 599 else 500
     headers = {"Retry-After": str(max(1, info.retry_after_s))} if info.retry_after_s else None
-    return BridgeError(status, info.message, info.type, code=info.code, headers=headers)
+    return BridgeError(status, info.message, info.type, code=info.code, param=info.param, headers=headers)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "any"})

@@ -3,8 +3,9 @@
 One :func:`kafka_bridge_state` context builds a :class:`BridgeState` whose
 response source is a started :class:`KvflowClient` (it owns one responses
 partition and dead-letters malformed records there as ``bridge:<slot>``), whose worker projection follows the workers topic from its
-beginning, whose ``RequestMetrics`` go to the metrics topic, and whose
-cancels of disconnected requests go to the cancels topic.
+beginning, whose ``RequestMetrics`` go to the metrics topic, whose
+cancels of disconnected requests go to the cancels topic, and whose
+``/v1/responses`` conversations go to the responses-log topic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
+from kvflow.streams.bridge.responses_log import ResponsesLog
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
@@ -24,7 +26,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
-from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers
+from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers, liveness_idle_wait_ms
 
 __all__ = ["kafka_bridge_state"]
 
@@ -69,7 +71,8 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         consumer = make_consumer(settings)
         await consumer.start()
         stack.push_async_callback(consumer.stop)
-        adapt_fetch_wait(consumer, settings, NOT_HOT)  # heartbeats do not make it poll fast
+        # Heartbeats do not make it poll fast; its idle wait is bounded by what liveness tolerates.
+        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=liveness_idle_wait_ms(settings))
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry.apply)
         applied = asyncio.Event()
@@ -94,13 +97,18 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
             wake(consumer)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + MODEL_WAIT_S
-            while registry.model_state(model) is not ModelState.serving and loop.time() < deadline:
+            def served() -> bool:  # by a generation or an embedding worker
+                return ModelState.serving in (registry.model_state(model),
+                                              registry.model_state(model, embedding=True))
+
+            while not served() and loop.time() < deadline:
                 applied.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(applied.wait(), deadline - loop.time())
 
         yield BridgeState(settings=settings, source=client, registry=registry, publish_metrics=publisher.publish,
-                          cancel=cancel, tokenizers=tokenizers, refresh_workers=refresh_workers)
+                          cancel=cancel, tokenizers=tokenizers, refresh_workers=refresh_workers,
+                          responses_log=ResponsesLog(settings, catalog, producer))
 
 
 async def _cancel(task: asyncio.Task) -> None:

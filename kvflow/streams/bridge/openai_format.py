@@ -39,6 +39,7 @@ from kvflow.schemas.openai import (
     PromptTokensDetails,
     UsageBody,
 )
+from kvflow.schemas.prompt_embeds import PromptEmbeds
 from kvflow.streams.bridge.errors import invalid_request, validation_error
 from kvflow.streams.deadlines import deadline_ms
 
@@ -162,9 +163,9 @@ def sampling_params(body: Body, max_tokens: int | None = None) -> SamplingParams
     return SamplingParams(**fields)
 
 
-def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, token_ids: list[int],
+def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, token_ids: list[int] | None,
                          created_ms: int, timeout_s: float, messages: list[ChatMessage] | None = None,
-                         max_tokens: int | None = None) -> InferenceRequest:
+                         max_tokens: int | None = None, prompt_embeds: PromptEmbeds | None = None) -> InferenceRequest:
     """Build the record the bridge produces for ``body``.
 
     ``token_ids`` (shape [ISL]) is the pre-tokenized prompt; ``messages`` is
@@ -172,6 +173,7 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
     ``created_ms + timeout_s``: the request is answered by then, and workers
     stop it there (:mod:`kvflow.streams.deadlines`).
     ``max_tokens`` overrides the body's output cap (see :func:`sampling_params`).
+    ``prompt_embeds`` (completions) is the whole prompt: ``token_ids`` is then None.
     """
     common: dict[str, Any] = {
         "request_id": request_id, "model": body.model, "token_ids": token_ids,
@@ -182,6 +184,8 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
         if messages is None:
             raise ValueError("chat bodies need their converted messages")
         return InferenceRequest(kind=RequestKind.chat, messages=messages, **common)
+    if prompt_embeds is not None:
+        return InferenceRequest(kind=RequestKind.completion, prompt_embeds=prompt_embeds, **common)
     prompt = body.prompt if isinstance(body.prompt, str) else None
     return InferenceRequest(kind=RequestKind.completion, prompt=prompt, **common)
 

@@ -1,6 +1,6 @@
 """The bridge's OpenAPI schema, with the request bodies its routes parse themselves.
 
-``/v1/chat/completions`` and ``/v1/completions`` read the raw body (to bound
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` read the raw body (to bound
 its size while it streams in, see :mod:`kvflow.streams.bridge.body`), so
 FastAPI cannot see their body models. :func:`install_openapi` adds them:
 each operation's ``requestBody`` refers to the JSON schema of its pydantic
@@ -18,13 +18,16 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, ErrorResponse
+from kvflow.schemas.openai_responses import ResponsesRequest
 
 __all__ = ["REQUEST_BODIES", "ERROR_RESPONSES", "REQUEST_HEADERS", "install_openapi"]
 
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/completions", "post"): CompletionRequest,
+    ("/v1/embeddings", "post"): EmbeddingsRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
 }
 """(path, method) → the model its JSON body is validated against."""
 

@@ -72,6 +72,7 @@ from kvflow.streams.bridge.openai_format import (
     text_completion,
     to_inference_request,
 )
+from kvflow.streams.bridge.prompt_embeds import decode_prompt_embeds
 from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse, with_ids
 from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
@@ -79,7 +80,7 @@ from kvflow.streams.bridge.worker_registry import ModelState
 from kvflow.streams.client import RequestTimeout, StreamCursor, StreamNotFound
 from kvflow.streams.tracing import TRACE_ID_HEADER, trace_id_hex, tracer
 
-__all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "serve"]
+__all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "prepare_parsed", "serve", "next_record"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ def _tokenizer_spec(state: BridgeState, model: str) -> str:
     status = state.registry.model_state(model)
     if status is ModelState.unknown:
         raise model_not_found(model)
+    if status is not ModelState.serving and state.registry.embedding_only(model):
+        raise invalid_request(f"The model `{model}` is an embedding model; use /v1/embeddings.", param="model",
+                              code="model_not_supported")
     spec = state.registry.tokenizer_spec(model) if status is ModelState.serving else None
     if spec is None:
         raise no_live_workers(model, state.retry_after_s)
@@ -177,34 +181,56 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
     body, data = parse_body(raw, ChatCompletionRequest if kind is RequestKind.chat else CompletionRequest)
     check_supported(kind, data)
     messages = chat_messages(body) if kind is RequestKind.chat else None
+    return await prepare_parsed(state, http_request, body, messages, resume=resume)
+
+
+async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, messages: list[ChatMessage] | None,
+                         *, resume: EventId | None = None, request_id: str | None = None) -> Prepared:
+    """:func:`prepare` from a validated ``body`` on: model check, tokenizing,
+    output cap, deadline, the request record. ``messages`` (chat bodies) are
+    the conversation as :class:`ChatMessage` records; ``request_id``
+    overrides the generated id (ignored when resuming).
+
+    Raises:
+        BridgeError: as :func:`prepare`, but for the body's own validation.
+    """
+    kind = RequestKind.chat if messages is not None else RequestKind.completion
     if state.refresh_workers is not None and state.registry.model_state(body.model) is not ModelState.serving:
         await state.refresh_workers(body.model)  # a worker may have just started
-    tokenizer = await _load_tokenizer(state, _tokenizer_spec(state, body.model))
-    token_ids, echo_text = await _tokenize(body, messages, tokenizer)
     limit = state.settings.max_prompt_tokens
+    spec = _tokenizer_spec(state, body.model)
+    embeds = None
+    if isinstance(body, CompletionRequest) and body.prompt_embeds is not None:
+        if body.echo:
+            raise invalid_request("`echo` is not supported with prompt_embeds.", param="echo", code="unsupported")
+        embeds = decode_prompt_embeds(body.prompt_embeds, limit)
+        token_ids, echo_text, isl = None, "", embeds.seq_len
+    else:
+        token_ids, echo_text = await _tokenize(body, messages, await _load_tokenizer(state, spec))
+        isl = len(token_ids)
     prompt_param = "messages" if messages is not None else "prompt"
-    if len(token_ids) > limit:
-        raise payload_too_large(f"The prompt has {len(token_ids)} tokens; the limit is {limit}.", param=prompt_param)
-    if not token_ids:
+    if isl > limit:
+        raise payload_too_large(f"The prompt has {isl} tokens; the limit is {limit}.", param=prompt_param)
+    if not isl:
         raise invalid_request("The prompt is empty.", param="prompt")
-    max_tokens = output_budget(body, len(token_ids), max_output_tokens=state.settings.max_output_tokens,
+    max_tokens = output_budget(body, isl, max_output_tokens=state.settings.max_output_tokens,
                                context_length=state.registry.context_length(body.model), prompt_param=prompt_param)
     timeout_s = timeout_for(state.settings, http_request.headers, body, max_tokens)
     reply_to = state.source.reply_to
     if resume is None:
-        request_id, created_ms = _ID_PREFIX[kind] + uuid.uuid4().hex, now_ms()
+        request_id, created_ms = request_id or _ID_PREFIX[kind] + uuid.uuid4().hex, now_ms()
     else:
         request_id, created_ms = resume.request_id, resume.created_ms
         reply_to = ReplyTo(topic=reply_to.topic, partition=resume.partition)
     request = to_inference_request(body, request_id=request_id, reply_to=reply_to,
                                    token_ids=token_ids, created_ms=created_ms,
                                    timeout_s=timeout_s, messages=messages,
-                                   max_tokens=max_tokens)
+                                   max_tokens=max_tokens, prompt_embeds=embeds)
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
 
 
-async def _next_record(events: Events, state: BridgeState, request_id: str) -> TokenDelta | FinalResponse:
+async def next_record(events: Events, state: BridgeState, request_id: str) -> TokenDelta | FinalResponse:
     """The next response record, with transport failures as :class:`BridgeError`."""
     try:
         return await events.__anext__()
@@ -244,10 +270,10 @@ async def _close(*gens: Any) -> None:
 async def _wait_records(state: BridgeState, p: Prepared, events: Events,
                         observer: RequestObserver) -> TokenDelta | FinalResponse:
     """The first record (streaming) or the final record (otherwise), observing each."""
-    record = await _next_record(events, state, p.request.request_id)
+    record = await next_record(events, state, p.request.request_id)
     observer.on_event(record)
     while not p.body.stream and not isinstance(record, FinalResponse):
-        record = await _next_record(events, state, p.request.request_id)
+        record = await next_record(events, state, p.request.request_id)
         observer.on_event(record)
     return record
 
@@ -271,7 +297,7 @@ def _stream(state: BridgeState, p: Prepared, first: TokenDelta | FinalResponse, 
         yield record
         while not isinstance(record, FinalResponse):
             try:
-                record = await _next_record(events, state, p.request.request_id)
+                record = await next_record(events, state, p.request.request_id)
             except BridgeError as err:
                 stream_error.append(err)
                 raise
@@ -389,7 +415,8 @@ async def _serve(state: BridgeState, http_request: Request, kind: RequestKind, s
         request_id = p.request.request_id
         span.set_attribute("kvflow.request_id", request_id)
         span.set_attribute("gen_ai.request.model", p.body.model)
-        observer.submitted(request_id, p.body.model, len(p.request.token_ids or ()))
+        embeds = p.request.prompt_embeds
+        observer.submitted(request_id, p.body.model, embeds.seq_len if embeds else len(p.request.token_ids or ()))
         if resume is not None and p.body.stream:
             # One reader per request on this bridge: streams of it still attached stop now.
             attachment = state.attachments.attach(request_id)

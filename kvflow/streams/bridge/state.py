@@ -20,6 +20,7 @@ from kvflow.settings import Settings
 from kvflow.streams.bridge.api_keys import configured_api_keys
 from kvflow.streams.bridge.attachments import Attachments
 from kvflow.streams.bridge.metrics import BridgeMetrics
+from kvflow.streams.bridge.responses_log import ResponsesLog
 from kvflow.streams.bridge.tokenizers import TokenizerCache
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
 
@@ -95,8 +96,15 @@ class BridgeState:
     brings the worker projection up to date (returns at most ~0.5 s later);
     None: answer from the projection as it is."""
     attachments: Attachments | None = None
+    responses_log: ResponsesLog | None = None
+    """Stored ``/v1/responses`` conversations (default: in memory only)."""
+    embeddings_sent: dict[str, int] = field(default_factory=dict)
+    """Embeddings requests this bridge sent to each embedding worker (by id)
+    and has no answer to yet: the bridge's own load on it, between heartbeats."""
 
     def __post_init__(self) -> None:
+        if self.responses_log is None:
+            self.responses_log = ResponsesLog()
         if self.attachments is None:
             self.attachments = Attachments(self.settings.stream_resume_grace_s)
         if self.api_keys is None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvflow.schemas import WorkerHeartbeat, now_ms
+from kvflow.schemas import WorkerHeartbeat, WorkerRole, now_ms
 from kvflow.streams.workers import Workers, WorkerView
 
 __all__ = ["ModelState", "WorkerRegistry"]
@@ -62,17 +62,27 @@ class WorkerRegistry:
         """Models with at least one live serving worker, sorted."""
         return sorted({w.model for w in self.live_workers()})
 
-    def model_state(self, model: str) -> ModelState:
-        """See :class:`ModelState`."""
-        if any(w.model == model for w in self.live_workers()):
+    def model_state(self, model: str, *, embedding: bool = False) -> ModelState:
+        """See :class:`ModelState`; ``serving`` counts generation workers, or
+        embedding workers with ``embedding``."""
+        if any(w.model == model and (w.role is WorkerRole.embedding) == embedding for w in self.live_workers()):
             return ModelState.serving
         return ModelState.unavailable if model in self.models_seen else ModelState.unknown
 
+    def embedding_only(self, model: str) -> bool:
+        """Whether ``model`` is served, by embedding workers only (no text generation)."""
+        roles = {w.role for w in self.live_workers() if w.model == model}
+        return roles == {WorkerRole.embedding}
+
+    def embedding_workers(self, model: str) -> list[WorkerView]:
+        """Live embedding workers of ``model``, sorted by id."""
+        return [w for w in self.live_workers() if w.model == model and w.role is WorkerRole.embedding]
+
     def tokenizer_spec(self, model: str) -> str | None:
-        """The tokenizer spec advertised by ``model``'s live workers (the
-        lowest worker id wins if they disagree), or None if none is live."""
+        """The tokenizer spec advertised by ``model``'s live generation workers
+        (the lowest worker id wins if they disagree), or None if none is live."""
         for w in self.live_workers():
-            if w.model == model:
+            if w.model == model and w.role is not WorkerRole.embedding:
                 return w.tokenizer
         return None
 
@@ -81,5 +91,5 @@ class WorkerRegistry:
         smallest one its live serving workers advertise (the router may pick
         any of them), or None if none advertises one."""
         lengths = [w.context_length for w in self.live_workers()
-                   if w.model == model and w.context_length is not None]
+                   if w.model == model and w.context_length is not None and w.role is not WorkerRole.embedding]
         return min(lengths, default=None)

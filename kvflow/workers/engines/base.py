@@ -12,8 +12,9 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvflow.schemas import FinishReason, KvEvent, SamplingParams
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SamplingParams
 
 __all__ = ["GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
 
@@ -34,6 +35,11 @@ class GenerateRequest:
     uninterrupted one. ``kv_transfer_params``: parameters for an engine's
     own KV connector (vLLM's ``kv_transfer_params``, set by
     :mod:`kvflow.workers.engines.vllm_disagg`); other engines ignore them.
+    ``prompt_embeds``: the prompt as a ``[ISL, hidden]`` torch tensor fed
+    to the model in place of its embedding lookup; ``prompt_token_ids``
+    then holds the rows' ids (:meth:`kvflow.schemas.prompt_embeds.PromptEmbeds.row_ids`),
+    used only to key KV blocks. Engines that cannot take embeddings raise
+    :class:`EngineError`.
     """
 
     request_id: str
@@ -42,6 +48,7 @@ class GenerateRequest:
     lora_name: str | None = None
     resumed_tokens: int = 0
     kv_transfer_params: dict | None = None
+    prompt_embeds: Any = None
 
 
 @dataclass
@@ -99,12 +106,15 @@ class Engine(abc.ABC):
     the loaded model accepts, known after ``start()``; ``None`` when the
     engine has no such limit or cannot tell. Workers advertise it on their
     heartbeats so the bridge can reject requests that cannot fit.
+    ``accepts_prompt_embeds``: whether ``generate`` takes
+    :attr:`GenerateRequest.prompt_embeds` (the worker answers 400 otherwise).
     """
 
     name: str = "base"
     model_name: str = ""
     block_size: int = 16
     context_length: int | None = None
+    accepts_prompt_embeds: bool = False
     kv_event_sink: KvEventSink | None = None
 
     @abc.abstractmethod
@@ -130,6 +140,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def kv_stats(self) -> KvStats:
         """Current KV cache occupancy and queue lengths."""
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """Counters of the engine's host/disk KV tiers (:mod:`kvflow.workers.kv.tiers`); None
+        when it has none (the default)."""
+        return None
 
     def emit_kv_events(self, events: list[KvEvent]) -> None:
         """Forward one step's KV events to the sink, if one is attached."""

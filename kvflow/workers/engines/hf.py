@@ -27,6 +27,17 @@ reports the reused token count as ``num_cached_tokens`` on its first output.
 Stores and evictions are reported as :class:`~kvflow.schemas.BlockStored` /
 :class:`~kvflow.schemas.BlockRemoved` KV events, once per step.
 
+KV tiers (``kv_host_gb`` / ``kv_disk_gb`` extras,
+:mod:`kvflow.workers.kv.tiers`): a block the prefix cache (G1) evicts is
+offloaded to host memory (G2: the tensor itself on CPU, a host copy on an
+accelerator) and, if reused at least twice, on to local disk (G3: one
+safetensors file a block, written atomically and checksummed by
+:class:`~kvflow.workers.kv.disk.FileDisk`). A prompt whose prefix continues
+past G1's hit in G2/G3 loads those blocks back into G1 instead of
+recomputing them; they count in ``num_cached_tokens``, and a disk block
+whose file is missing or corrupt is recomputed, never used. The KV bytes
+are the ones computed, so greedy output is the same as without tiers.
+
 Stop strings: the engine detokenizes each request that has stop strings and
 holds back output tokens whose text could begin a stop string. When one
 matches, the request finishes with ``stop`` and the tokens it has sent in all
@@ -63,6 +74,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -71,10 +83,12 @@ import torch.nn.functional as F
 
 from kvflow.models.resolve import resolve_model
 from kvflow.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent
+from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent, KvTierMetrics
 from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
+from kvflow.workers.kv.disk import FileDisk
 from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
+from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore, TierStats, tier_metrics
 from kvflow.workers.kv.transfer import TransferError
 from kvflow.workers.stops import StopChecker
 
@@ -133,6 +147,7 @@ class _PrefixCache:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
         self._blocks: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self._parents: dict[int, int | None] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -162,8 +177,13 @@ class _PrefixCache:
             found.append(block)
         return found
 
-    def insert(self, block_hash: int, block: torch.Tensor) -> None:
+    def insert(self, block_hash: int, block: torch.Tensor, parent_hash: int | None = None) -> None:
         self._blocks[block_hash] = block
+        self._parents[block_hash] = parent_hash
+
+    def get(self, block_hash: int) -> torch.Tensor | None:
+        """The block of ``block_hash`` (None if not cached), without touching the LRU order."""
+        return self._blocks.get(block_hash)
 
     def touch(self, chain: list[int]) -> None:
         """Mark a chain used, leaf first, so the root ends most recent."""
@@ -171,12 +191,12 @@ class _PrefixCache:
             if h in self._blocks:
                 self._blocks.move_to_end(h)
 
-    def evict_overflow(self) -> list[int]:
-        """Drop least recently used blocks down to capacity; return their hashes."""
+    def evict_overflow(self) -> list[tuple[int, torch.Tensor, int | None]]:
+        """Drop least recently used blocks down to capacity; return ``(hash, block, parent hash)`` of each."""
         removed = []
         while len(self._blocks) > self.capacity_blocks:
-            h, _ = self._blocks.popitem(last=False)
-            removed.append(h)
+            h, block = self._blocks.popitem(last=False)
+            removed.append((h, block, self._parents.pop(h, None)))
         return removed
 
 
@@ -249,6 +269,24 @@ def _unpack_blocks(blocks: torch.Tensor, num_tokens: int) -> LayerKv:
     return [(flat[i, 0].unsqueeze(0).contiguous(), flat[i, 1].unsqueeze(0).contiguous()) for i in range(layers)]
 
 
+def _block_to_bytes(block: torch.Tensor) -> bytes:
+    """One KV block as safetensors bytes (the G3 file's payload)."""
+    from safetensors.torch import save
+
+    return save({"kv": block.contiguous()})
+
+
+def _block_from_bytes(data: bytes) -> torch.Tensor:
+    """Inverse of :func:`_block_to_bytes`.
+
+    Raises:
+        KeyError, safetensors errors: not a block written by :func:`_block_to_bytes`.
+    """
+    from safetensors.torch import load
+
+    return load(data)["kv"]
+
+
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Sample one token id from ``logits`` ``[vocab]`` with temperature and nucleus (top-p) filtering.
 
@@ -277,8 +315,13 @@ class HfEngine(Engine):
             use), ``kv_cache_mb`` (prefix cache budget in MiB, default 1024;
             the cache holds ``min(num_kv_blocks, budget / block bytes)``
             blocks), ``enable_prefix_caching`` (default true; false skips
-            the prefix cache and its KV events). On CPU, :meth:`start` sets
-            torch's (process-wide) intra-op thread count.
+            the prefix cache and its KV events), ``kv_host_gb`` /
+            ``kv_disk_gb`` (G2 / G3 budgets in GiB, default 0 = none; see
+            the module docstring), ``kv_disk_dir`` (G3 directory; default a
+            new temporary directory), ``kv_disk_min_frequency`` (reuse
+            frequency a block needs for G3, default 3; see
+            :class:`~kvflow.workers.kv.tiers.TierConfig`). On CPU,
+            :meth:`start` sets torch's (process-wide) intra-op thread count.
         **overrides: ``EngineConfig`` fields replacing those of ``config``.
 
     After :meth:`start`: :attr:`tokenizer` is the model's tokenizer wrapper,
@@ -287,6 +330,7 @@ class HfEngine(Engine):
     """
 
     name = "hf"
+    accepts_prompt_embeds = True
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         # Keyword overrides (e.g. ``HfEngine(model=..., device="cuda")``) patch ``config``.
@@ -308,9 +352,12 @@ class HfEngine(Engine):
         self._stopping = False
         self._max_model_len = 0
         self._vocab_size = 0
+        self._embed_shape: tuple[int, torch.dtype] | None = None  # (hidden size, dtype) of prompt embeddings
         self._prefill_tokens_total = 0
         self._decode_tokens_total = 0
         self._layout: KvLayout | None = None
+        self._tiers: TieredStore | None = None
+        self._block_bytes = 0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -363,6 +410,7 @@ class HfEngine(Engine):
         self._max_model_len = positions or 1 << 30
         self.context_length = positions or None
         self._vocab_size = int(cfg.vocab_size)
+        self._embed_shape = (int(cfg.hidden_size), self._model.get_input_embeddings().weight.dtype)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         block_bytes = self._num_layers * 2 * kv_heads * self.block_size * head_dim * dtype.itemsize
@@ -370,9 +418,39 @@ class HfEngine(Engine):
                                 (self._num_layers, 2, int(kv_heads), self.block_size, int(head_dim)))
         budget = float(self.config.extra.get("kv_cache_mb", _DEFAULT_KV_CACHE_MB)) * 2**20
         self._cache = _PrefixCache(max(1, min(self.config.num_kv_blocks, int(budget // block_bytes))))
+        self._block_bytes = block_bytes
+        self._tiers = self._make_tiers()
+
+    def _make_tiers(self) -> TieredStore | None:
+        """The G2/G3 store the ``kv_*`` extras ask for, or None."""
+        extra = self.config.extra
+        tiers = TierConfig.from_gb(float(extra.get("kv_host_gb") or 0), float(extra.get("kv_disk_gb") or 0),
+                                   disk_min_frequency=float(extra.get("kv_disk_min_frequency", 3.0)))
+        if not tiers.enabled or not self._prefix_caching:
+            return None
+        disk = None
+        if tiers.disk_bytes:
+            import tempfile
+
+            directory = extra.get("kv_disk_dir") or tempfile.mkdtemp(prefix="kvflow-kv-disk-")
+            disk = FileDisk(directory, encode=_block_to_bytes, decode=_block_from_bytes)
+        return TieredStore(tiers, disk)
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """Offload/onboard counters of the KV tiers (None without tiers)."""
+        return self._tiers.stats if self._tiers is not None else None
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """The G2/G3 counters for the worker's metrics record (None without tiers)."""
+        return tier_metrics(self._tiers) if self._tiers is not None else None
 
     async def stop(self) -> None:
-        """Finish the current step, stop the loop, end every open request with ``abort``."""
+        """Finish the current step, stop the loop, end every open request with ``abort``.
+
+        The host and disk KV tiers are emptied (their disk files deleted):
+        nothing would index them after this worker is gone.
+        """
         if self._loop_task is None:
             return
         self._stopping = True
@@ -385,6 +463,9 @@ class HfEngine(Engine):
                 seq.outputs.put_nowait(EngineOutput(token_ids=[], finish_reason=FinishReason.abort))
         self._waiting.clear()
         self._batch = _Batch()
+        if self._tiers is not None:
+            self._tiers.clear()
+            self._tiers.take_events()
 
     # ----------------------------------------------------------------- requests
 
@@ -398,7 +479,9 @@ class HfEngine(Engine):
             raise EngineError(
                 f"{request.request_id}: prompt of {len(prompt)} tokens >= model max {self._max_model_len}"
             )
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+        if request.prompt_embeds is not None:
+            self._check_embeds(request)
+        elif min(prompt) < 0 or max(prompt) >= self._vocab_size:
             raise EngineError(f"{request.request_id}: token id outside [0, {self._vocab_size})")
         if request.lora_name:
             raise EngineError(f"{request.request_id}: the hf engine serves no LoRA adapters")
@@ -417,6 +500,19 @@ class HfEngine(Engine):
             seq.stop_checker = StopChecker(list(sampling.stop))
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         return seq
+
+    def _check_embeds(self, request: GenerateRequest) -> None:
+        """Raises EngineError unless the prompt embeddings are ``[ISL, hidden]`` of the model's dtype."""
+        hidden, dtype = self._embed_shape or (0, None)
+        embeds = request.prompt_embeds
+        want = (len(request.prompt_token_ids), hidden)
+        if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != want:
+            got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise EngineError(f"{request.request_id}: prompt embeddings of shape {got}; this model takes "
+                              f"[seq_len, {hidden}]")
+        if embeds.dtype != dtype:
+            raise EngineError(f"{request.request_id}: prompt embeddings of dtype {str(embeds.dtype).removeprefix('torch.')}; "
+                              f"this model takes {str(dtype).removeprefix('torch.')}")
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -636,7 +732,7 @@ class HfEngine(Engine):
                     kv = self._import_kv(seq)
                     out = self._advance(seq, seq.first_token)
                 else:
-                    kv, logits = self._prefill(seq)
+                    kv, logits = self._prefill(seq, events)
                     token = self._sample(logits, [seq])[0]
                     if seq.prefill_only:
                         results.append((seq, self._finish_prefill(seq, token, kv, events)))
@@ -654,10 +750,13 @@ class HfEngine(Engine):
             self._batch.remove(aborted)
             if self._batch.seqs:
                 results += self._decode(events)
+        if self._tiers is not None:
+            events += self._tiers.take_events()
         return results, events
 
-    def _prefill(self, seq: _Sequence) -> tuple[LayerKv, torch.Tensor]:
-        """Prefill ``seq``'s prompt after its longest cached prefix; return its KV and last logits."""
+    def _prefill(self, seq: _Sequence, events: list[KvEvent]) -> tuple[LayerKv, torch.Tensor]:
+        """Prefill ``seq``'s prompt after its longest cached prefix (G1, then G2/G3 onboarded
+        into G1); return its KV and last logits."""
         prompt = seq.token_ids
         blocks: list[torch.Tensor] = []
         if self._prefix_caching:
@@ -665,6 +764,8 @@ class HfEngine(Engine):
             # Keep at least one prompt token to compute: its logits give the first output token.
             usable = (len(prompt) - 1) // self.block_size
             blocks = self._cache.match(hashes[:usable])
+            if self._tiers is not None:
+                blocks += self._onboard(hashes, len(blocks), usable, events)
         cached = len(blocks) * self.block_size
         past: LayerKv = []
         if blocks:
@@ -672,11 +773,52 @@ class HfEngine(Engine):
             past = [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in joined]
         seq.num_cached_tokens = cached
         seq.num_stored_blocks = len(blocks)
-        input_ids = torch.tensor([prompt[cached:]], device=self._device)
         positions = torch.arange(cached, len(prompt), device=self._device).unsqueeze(0)
-        logits, kv = self._forward(input_ids, positions, None, past)
+        embeds = seq.request.prompt_embeds
+        if embeds is not None:  # rows after the cached prefix, in place of the embedding lookup
+            logits, kv = self._forward(None, positions, None, past, embeds[cached:].unsqueeze(0).to(self._device))
+        else:
+            input_ids = torch.tensor([prompt[cached:]], device=self._device)
+            logits, kv = self._forward(input_ids, positions, None, past)
         self._prefill_tokens_total += len(prompt) - cached
         return kv, logits
+
+    def _onboard(self, hashes: list[int], hits: int, usable: int, events: list[KvEvent]) -> list[torch.Tensor]:
+        """Load ``hashes[hits:usable]``'s leading run held in G2/G3 into G1; return those blocks.
+
+        G1's own hits (``hashes[:hits]``) count as reuse of their blocks. The
+        loaded blocks are cached in G1 with ``BlockStored`` events, as if
+        computed; the time taken is added to the tier counters' ``onboard_ms``.
+        """
+        tiers = self._tiers
+        now = time.monotonic()
+        tiers.stats.lookup_blocks += usable
+        tiers.stats.device_hit_blocks += hits
+        tiers.record_hits(hashes[:hits], now)
+        if hits >= usable:
+            return []
+        t0 = time.perf_counter()
+        loaded = [o.payload.to(self._device) for o in tiers.onboard(hashes[hits:usable], now)]
+        tiers.stats.onboard_ms += (time.perf_counter() - t0) * 1000
+        if not loaded:
+            return []
+        for i, block in enumerate(loaded, start=hits):
+            self._cache.insert(hashes[i], block, hashes[i - 1] if i else None)
+        events.append(BlockStored(parent_block_hash=hashes[hits - 1] if hits else None,
+                                  block_hashes=hashes[hits:hits + len(loaded)]))
+        self._cache.touch(hashes[:hits + len(loaded)])
+        self._evict(events)
+        return loaded
+
+    def _evict(self, events: list[KvEvent]) -> None:
+        """Evict G1's overflow: ``BlockRemoved`` for the device, offload to G2 when tiers are on."""
+        removed = self._cache.evict_overflow()
+        if not removed:
+            return
+        events.append(BlockRemoved(block_hashes=[h for h, _, _ in removed]))
+        if self._tiers is not None:
+            self._tiers.offload([OffloadedBlock(h, parent, block.to("cpu"), self._block_bytes)
+                                 for h, block, parent in removed], time.monotonic())
 
     def _finish_prefill(self, seq: _Sequence, token: int, kv: LayerKv, events: list[KvEvent]) -> PrefillResult:
         """End a prefill-only sequence: cache its blocks, pack its KV, capture the sampler state."""
@@ -727,10 +869,11 @@ class HfEngine(Engine):
         return results
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LayerKv]:
-        """Run the model on ``input_ids`` ``[B, q]`` after ``past``; return last-position
-        logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
+        """Run the model on ``input_ids`` ``[B, q]`` (or ``inputs_embeds`` ``[B, q, hidden]``)
+        after ``past``; return last-position logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._model.config)
@@ -740,6 +883,7 @@ class HfEngine(Engine):
             layer.keys, layer.values = k, v
         out = self._model(
             input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
             position_ids=positions,
             attention_mask=mask,
             past_key_values=cache,
@@ -829,13 +973,11 @@ class HfEngine(Engine):
                 run_parent = hashes[i - 1] if i > 0 else None
             start, end = i * self.block_size, (i + 1) * self.block_size
             block = torch.stack([torch.stack((k[:, start:end], v[:, start:end])) for k, v in row_kv])
-            self._cache.insert(hashes[i], block)
+            self._cache.insert(hashes[i], block, hashes[i - 1] if i else None)
             run.append(hashes[i])
         if run:
             events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run))
         seq.num_stored_blocks = num_full
         self._cache.touch(hashes)
-        removed = self._cache.evict_overflow()
-        if removed:
-            events.append(BlockRemoved(block_hashes=removed))
+        self._evict(events)
         return events

@@ -27,11 +27,12 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 
 from kvflow.aio import cancel_and_wait
-from kvflow.schemas import FinishReason, KvEvent
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics
 from kvflow.workers.engines.base import (
     Engine,
     EngineConfig,
@@ -42,6 +43,7 @@ from kvflow.workers.engines.base import (
 )
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
+from kvflow.workers.kv.tiers import tier_metrics
 
 __all__ = ["MockerEngine"]
 
@@ -163,7 +165,8 @@ class MockerEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            result = core.step()
+            # The wall clock ages the KV tiers' reuse frequencies (idle time included).
+            result = core.step(now_ms=time.monotonic() * 1000.0)
             if not result.outputs and result.duration_ms == 0.0:
                 # Nothing could be scheduled; wait for a new request or an abort.
                 self._wake.clear()
@@ -290,8 +293,12 @@ class MockerEngine(Engine):
         return self.core.stats(self._in_flight)
 
     def dump_kv_events(self) -> list[KvEvent]:
-        """``BlockStored`` events for every cached block (for a KV resync)."""
+        """``BlockStored`` events for every cached block, every tier (for a KV resync)."""
         return self.core.dump_kv_events()
+
+    def kv_tier_metrics(self) -> KvTierMetrics | None:
+        """The core's modelled G2/G3 counters (None without tiers)."""
+        return tier_metrics(self.core.tiers) if self.core.tiers is not None else None
 
     # ---- admin -----------------------------------------------------------
 
@@ -305,9 +312,13 @@ class MockerEngine(Engine):
         return None
 
     def _reset_pool(self) -> int:
-        """Drop every cached block now; emits ``AllBlocksCleared``. Returns the blocks dropped."""
+        """Drop every cached block now, host and disk tiers too (``AllBlocksCleared`` covers
+        every tier). Returns the device blocks dropped."""
         dropped = self.core.pool.num_cached_blocks
         self.core.pool.reset()
+        if self.core.tiers is not None:
+            self.core.tiers.clear()
+            self.core.tiers.take_events()  # AllBlocksCleared already tells consumers
         self.emit_kv_events(self.core.pool.take_events())
         return dropped
 

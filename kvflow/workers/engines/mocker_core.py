@@ -51,6 +51,16 @@ it continues from output token 1 (token 0 is the prefill worker's, which is
 the same id because token ids depend only on the request id and ``seed``).
 A prefill-only request is an ordinary request with ``max_tokens = 1``.
 
+KV tiers (``kv_host_bytes`` / ``kv_disk_bytes`` > 0): blocks evicted from
+the pool (G1) go to a :class:`~kvflow.workers.kv.tiers.TieredStore` (G2
+host memory, G3 disk, no contents). At admission, prompt blocks past the
+pool's prefix hit that G2/G3 hold are onboarded instead of recomputed: they
+count as cached tokens, are committed to the pool at once, and the step
+takes :func:`kv_onboard_time_ms` longer (loads are synchronous, before the
+forward pass). Offloads and disk writes are asynchronous copies and cost no
+step time. The store's reuse frequencies decay on the caller's clock
+(``step(now_ms=...)``; default: the sum of step durations so far).
+
 The mocker has no end-of-sequence token: every request produces exactly
 ``max_tokens`` tokens and finishes with ``length``; ``ignore_eos`` and the
 other sampling settings are ignored. Output ids are pseudo-random but
@@ -68,12 +78,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvflow.schemas import FinishReason, KvEvent
+from kvflow.schemas import FinishReason, KvEvent, KvTier
 from kvflow.schemas.block_hash import block_seed, compute_block_hashes, next_sequence_hash, tokens_to_bytes
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
+from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore
 
-__all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms", "kv_transfer_time_ms"]
+__all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms", "kv_transfer_time_ms",
+           "kv_onboard_time_ms"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
@@ -116,6 +128,24 @@ class MockerConfig:
         kv_transfer_latency_ms: fixed cost of one simulated transfer
             (descriptor exchange, first byte). Defaults to ``1.0`` (kvflow's
             choice).
+        kv_host_bytes: G2 (host memory) budget for blocks evicted from the
+            pool, bytes; 0 = no host tier. Defaults to ``0``.
+        kv_disk_bytes: G3 (disk) budget, bytes; 0 = no disk tier. Defaults to ``0``.
+        kv_host_bytes_per_s: host -> device copy bandwidth. Defaults to
+            ``25e9``: PCIe 4.0 x16 carries 31.5 GB/s per direction (16 GT/s
+            x 16 lanes, 128b/130b coding; PCI-SIG PCIe 4.0 base
+            specification); kvflow assumes pinned-memory copies reach about
+            80% of that line rate.
+        kv_host_latency_ms: fixed cost of one host -> device load (copy
+            set-up and synchronisation). Defaults to ``0.05`` (kvflow's choice).
+        kv_disk_bytes_per_s: disk -> host read bandwidth. Defaults to
+            ``7e9``: one PCIe 4.0 NVMe SSD's sequential read (e.g. Samsung
+            990 PRO data sheet: 7,450 MB/s).
+        kv_disk_latency_ms: fixed cost of one disk read. Defaults to ``0.1``
+            (kvflow's choice: the order of a NAND flash page read).
+        kv_tier_half_life_s: half-life of a block's reuse frequency, which
+            decides G2 -> G3 demotion (:class:`~kvflow.workers.kv.tiers.TierConfig`).
+            Defaults to ``600``.
 
     Raises:
         ValueError: a size is < 1, ``speedup_ratio`` or the transfer
@@ -136,6 +166,13 @@ class MockerConfig:
     kv_bytes_per_token: int = 131072
     kv_transfer_bytes_per_s: float = 50e9
     kv_transfer_latency_ms: float = 1.0
+    kv_host_bytes: int = 0
+    kv_disk_bytes: int = 0
+    kv_host_bytes_per_s: float = 25e9
+    kv_host_latency_ms: float = 0.05
+    kv_disk_bytes_per_s: float = 7e9
+    kv_disk_latency_ms: float = 0.1
+    kv_tier_half_life_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "vocab_size"):
@@ -147,6 +184,11 @@ class MockerConfig:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
         if not self.kv_transfer_bytes_per_s > 0 or self.kv_transfer_latency_ms < 0:
             raise ValueError("kv_transfer_bytes_per_s must be > 0 and kv_transfer_latency_ms >= 0")
+        if not self.kv_host_bytes_per_s > 0 or not self.kv_disk_bytes_per_s > 0:
+            raise ValueError("kv_host_bytes_per_s and kv_disk_bytes_per_s must be > 0")
+        if min(self.kv_host_latency_ms, self.kv_disk_latency_ms) < 0:
+            raise ValueError("kv_host_latency_ms and kv_disk_latency_ms must be >= 0")
+        TierConfig(self.kv_host_bytes, self.kv_disk_bytes, self.kv_tier_half_life_s)  # validates the tier budgets
         if len(self.prefill_coeffs) != 3 or len(self.decode_coeffs) != 3:
             raise ValueError("prefill_coeffs and decode_coeffs take three coefficients (a, b, c)")
 
@@ -186,6 +228,28 @@ def kv_transfer_time_ms(config: MockerConfig, num_tokens: int) -> float:
     return config.kv_transfer_latency_ms + seconds * 1000
 
 
+def kv_onboard_time_ms(config: MockerConfig, host_blocks: int, disk_blocks: int) -> float:
+    """Simulated time (ms, before speedup) to load blocks from G2 and G3 into the pool.
+
+    With ``B = block_size · kv_bytes_per_token`` bytes a block::
+
+        host: kv_host_latency_ms + host_blocks · B / kv_host_bytes_per_s
+        disk: kv_disk_latency_ms + disk_blocks · B / kv_disk_bytes_per_s   (read into host memory)
+              + kv_host_latency_ms + disk_blocks · B / kv_host_bytes_per_s (then copied to the device)
+
+    summed (one request's loads run one after the other); each part is 0
+    when its count is 0.
+    """
+    block_bytes = config.block_size * config.kv_bytes_per_token
+    ms = 0.0
+    to_device = host_blocks + disk_blocks
+    if to_device > 0:
+        ms += config.kv_host_latency_ms + to_device * block_bytes / config.kv_host_bytes_per_s * 1000
+    if disk_blocks > 0:
+        ms += config.kv_disk_latency_ms + disk_blocks * block_bytes / config.kv_disk_bytes_per_s * 1000
+    return ms
+
+
 @dataclass
 class StepResult:
     """What one engine iteration did.
@@ -199,6 +263,8 @@ class StepResult:
         prefill_tokens: prompt (or recompute) tokens computed this step,
             excluding prefix-cache hits — the ``t`` of the prefill formula.
         decode_tokens: tokens computed by requests in decode (one each).
+        onboard_ms: part of ``duration_ms`` spent loading blocks from G2/G3
+            (already divided by ``speedup_ratio``).
     """
 
     duration_ms: float
@@ -206,6 +272,7 @@ class StepResult:
     kv_events: list[KvEvent]
     prefill_tokens: int
     decode_tokens: int
+    onboard_ms: float = 0.0
 
 
 class _Seq:
@@ -214,7 +281,7 @@ class _Seq:
     __slots__ = (
         "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
         "hashes", "hash_seed", "lora_name", "token_seed", "token_offset", "cap", "committed", "running",
-        "imported",
+        "imported", "num_host_cached", "num_disk_cached",
     )
 
     def __init__(self, request: GenerateRequest, config: MockerConfig) -> None:
@@ -238,6 +305,8 @@ class _Seq:
         self.committed = 0  # blocks committed to the pool
         self.running = False
         self.imported = False  # prompt KV came from a remote prefill (see MockerCore.add_request)
+        self.num_host_cached = 0  # of num_cached: prompt tokens onboarded from G2
+        self.num_disk_cached = 0  # ... and from G3
 
     def import_first_token(self, config: MockerConfig) -> None:
         """Append output token 0 (what the prefill worker sampled) and extend the block hashes."""
@@ -262,13 +331,32 @@ class MockerCore:
     def __init__(self, config: MockerConfig, worker_id: str = "mocker") -> None:
         self.config = config
         self.worker_id = worker_id
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        tiers = TierConfig(config.kv_host_bytes, config.kv_disk_bytes, config.kv_tier_half_life_s)
+        self.tiers: TieredStore | None = (TieredStore(tiers) if tiers.enabled and config.enable_prefix_caching
+                                          else None)
+        self._block_bytes = config.block_size * config.kv_bytes_per_token
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                              on_evict=self._offload if self.tiers is not None else None)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admission order, oldest first
         self._seqs: dict[str, _Seq] = {}
         self.num_preemptions = 0
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
+        self.now_s = 0.0  # the clock reuse frequencies decay on (see step)
+        self._onboard_ms = 0.0  # of the step being scheduled
+        # Per request, counted at its first output token: prompt tokens, and those served per tier.
+        self.first_token_prompt_tokens = 0
+        self.cached_tokens_by_tier = {KvTier.device.value: 0, KvTier.host.value: 0, KvTier.disk.value: 0}
+        # Recompute accounting (set by the offline simulator, shared by every worker): hashes of every
+        # prompt block computed so far; a prefill that computes one of them again adds its tokens to
+        # recomputed_prefill_tokens.
+        self.computed_blocks: set[int] | None = None
+        self.recomputed_prefill_tokens = 0
+
+    def _offload(self, block_hash: int, parent_hash: int | None) -> None:
+        """The pool evicted a cached block: hand it to G2 (or the disk filter)."""
+        self.tiers.offload([OffloadedBlock(block_hash, parent_hash, None, self._block_bytes)], self.now_s)
 
     # ---- requests ------------------------------------------------------
 
@@ -330,12 +418,20 @@ class MockerCore:
 
     # ---- the step --------------------------------------------------------
 
-    def step(self) -> StepResult:
+    def step(self, now_ms: float | None = None) -> StepResult:
         """Run one iteration: schedule, compute, sample; see the module docstring.
+
+        Args:
+            now_ms: the caller's clock (ms), used only to decay the KV tiers'
+                reuse frequencies; None advances an internal clock by each
+                step's duration instead.
 
         Returns:
             The step's simulated duration, outputs, KV events and token counts.
         """
+        if now_ms is not None:
+            self.now_s = now_ms / 1000.0
+        self._onboard_ms = 0.0
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
         budget, preempted = self._schedule_running(scheduled, budget)
@@ -345,17 +441,24 @@ class MockerCore:
         outputs, prefill_tokens, decode_tokens = self._execute(scheduled)
 
         cfg = self.config
-        duration = prefill_time_ms(cfg, prefill_tokens)
+        duration = prefill_time_ms(cfg, prefill_tokens) + self._onboard_ms
         if outputs:
             duration += decode_time_ms(cfg, usage)
         self.prefill_tokens_total += prefill_tokens
         self.decode_tokens_total += decode_tokens
+        events = self.pool.take_events()
+        if self.tiers is not None:
+            events += self.tiers.take_events()
+            self.tiers.stats.onboard_ms += self._onboard_ms / cfg.speedup_ratio
+        if now_ms is None:
+            self.now_s += duration / cfg.speedup_ratio / 1000.0
         return StepResult(
             duration_ms=duration / cfg.speedup_ratio,
             outputs=outputs,
-            kv_events=self.pool.take_events(),
+            kv_events=events,
             prefill_tokens=prefill_tokens,
             decode_tokens=decode_tokens,
+            onboard_ms=self._onboard_ms / cfg.speedup_ratio,
         )
 
     def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int) -> tuple[int, bool]:
@@ -396,7 +499,9 @@ class MockerCore:
             # Leave at least one token to compute, as vLLM does, so a full hit still samples.
             hit_hashes = seq.hashes[: (total - 1) // bs] if cfg.enable_prefix_caching else ()
             hits = pool.lookup(hit_hashes)
-            cached_tokens = hits * bs
+            tiers = self.tiers
+            lower = tiers.lookup(hit_hashes[hits:]) if tiers is not None and not seq.imported else ()
+            cached_tokens = (hits + len(lower)) * bs
             n = total - cached_tokens
             if seq.imported:  # prompt KV arrived from a remote prefill: only the decode token is work
                 cached_tokens, n = total - 1, 1
@@ -410,14 +515,34 @@ class MockerCore:
                 pool.allocate(seq.rid, cached_tokens + n, hit_hashes[:hits])
             except NoFreeBlocks:
                 break
+            committed, on_host, on_disk = hits, 0, 0
+            if tiers is not None and not seq.imported:
+                tiers.stats.lookup_blocks += len(hit_hashes)
+                tiers.stats.device_hit_blocks += hits
+                tiers.record_hits(hit_hashes[:hits], self.now_s)
+            if lower:
+                got = tiers.onboard(hit_hashes[hits:hits + len(lower)], self.now_s)
+                on_host = sum(1 for o in got if o.tier is KvTier.host)
+                on_disk = len(got) - on_host
+                self._onboard_ms += kv_onboard_time_ms(cfg, on_host, on_disk)
+                committed = hits + len(got)
+                if got:
+                    pool.commit(seq.rid, seq.hashes[:committed], seq.lora_name)
+                if len(got) < len(lower):  # pushed out of G2 by this allocation: compute the rest
+                    cached_tokens = committed * bs
+                    cap = pool.num_seq_blocks(seq.rid) * bs
+                    n = min(total, cap) - cached_tokens
+                    if cfg.enable_chunked_prefill:
+                        n = min(n, budget)
             waiting.popleft()
             running.append(seq)
             seq.running = True
             seq.num_computed = cached_tokens
-            seq.committed = hits
+            seq.committed = committed
             seq.cap = pool.num_seq_blocks(seq.rid) * bs
             if seq.num_generated == 0:
                 seq.num_cached = cached_tokens
+                seq.num_host_cached, seq.num_disk_cached = on_host * bs, on_disk * bs
             scheduled.append((seq, n))
             budget -= n
 
@@ -447,6 +572,8 @@ class MockerCore:
                 prefill_tokens += n
             seq.num_computed += n
             if caching and seq.num_computed // bs > seq.committed:
+                if self.computed_blocks is not None and not seq.imported:
+                    self._count_recomputed(seq.hashes[seq.committed:min(seq.num_computed, seq.prompt_len) // bs])
                 seq.committed = seq.num_computed // bs
                 pool.commit(seq.rid, seq.hashes[: seq.committed], seq.lora_name)
             if seq.num_computed < len(tokens):
@@ -459,6 +586,8 @@ class MockerCore:
                 local = _xxh3(tokens_to_bytes(tokens[-bs:]), seq.hash_seed)
                 seq.hashes.append(next_sequence_hash(seq.hashes[-1] if seq.hashes else None, local))
             cached = seq.num_cached if index == 0 else 0
+            if index == 0:
+                self._count_first_token(seq)
             if seq.num_generated >= seq.max_tokens:
                 outputs[seq.rid] = EngineOutput([token], FinishReason.length, cached)
                 self._finish(seq)
@@ -468,6 +597,23 @@ class MockerCore:
         if finished:
             self._running = [s for s in self._running if s.running]
         return outputs, prefill_tokens, decode_tokens
+
+    def _count_recomputed(self, hashes: list[int]) -> None:
+        """Prompt blocks just computed: those computed before (anywhere) were recomputed."""
+        seen, bs = self.computed_blocks, self.config.block_size
+        for h in hashes:
+            if h in seen:
+                self.recomputed_prefill_tokens += bs
+            else:
+                seen.add(h)
+
+    def _count_first_token(self, seq: _Seq) -> None:
+        """A request's first output token: count its prompt and cached tokens per tier."""
+        self.first_token_prompt_tokens += seq.prompt_len
+        by_tier = self.cached_tokens_by_tier
+        by_tier["host"] += seq.num_host_cached
+        by_tier["disk"] += seq.num_disk_cached
+        by_tier["device"] += seq.num_cached - seq.num_host_cached - seq.num_disk_cached
 
     def _finish(self, seq: _Seq) -> None:
         self.pool.free(seq.rid)
@@ -507,5 +653,5 @@ class MockerCore:
         )
 
     def dump_kv_events(self) -> list[KvEvent]:
-        """``BlockStored`` events for every block now cached (resync snapshot)."""
-        return self.pool.dump()
+        """``BlockStored`` events for every block now cached, in every tier (resync snapshot)."""
+        return self.pool.dump() + (self.tiers.dump() if self.tiers is not None else [])

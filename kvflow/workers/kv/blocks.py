@@ -27,7 +27,7 @@ head is the part other requests are likeliest to share). This follows vLLM's
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvflow.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -66,18 +66,23 @@ class BlockPool:
         block_size: tokens per block, >= 1.
         enable_prefix_caching: when false nothing is ever cached: no reuse,
             no hashes kept, no KV events.
+        on_evict: called as ``on_evict(block_hash, parent_hash)`` for each
+            cached block evicted to make room, before its slot is reused (the
+            engine offloads it to a lower tier, :mod:`kvflow.workers.kv.tiers`).
 
     Sequences are named by any hashable ``seq_id`` (a request id).
     ``block_hashes`` arguments are chained sequence hashes of a sequence's
     full blocks, from block 0 (see :func:`kvflow.schemas.block_hash.compute_block_hashes`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[int, int | None], None] | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.on_evict = on_evict
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._parent: list[int | None] = [None] * num_blocks
@@ -213,6 +218,8 @@ class BlockPool:
             h = self._hash[bid]
             del self._cached[h]  # type: ignore[arg-type]
             removed.append(h)  # type: ignore[arg-type]
+            if self.on_evict is not None:
+                self.on_evict(h, self._parent[bid])  # type: ignore[arg-type]
             self._hash[bid] = self._parent[bid] = self._lora[bid] = None
         self._ref[bid] = 1
         self._num_used += 1
