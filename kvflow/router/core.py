@@ -369,6 +369,22 @@ class RouterCore:
         return Decision(DecisionOutcome.shed, arrival, role, now_ms, reason=reason, expired=expired,
                         error=ErrorReply(503, "overloaded", reason, verdict.retry_after_s))
 
+    def evaluate(self, arrival: Arrival, now_ms: int) -> Placement | None:
+        """The placement the policy would choose for ``arrival`` at ``now_ms``,
+        changing nothing the next decision reads (no expiry, shedding, queue
+        or in-flight counting; a stateful policy such as round-robin still
+        advances its own cursor). A shadow router asks this. ``None``: no
+        serving worker of the model.
+        """
+        role = decode_role(self.table, arrival.model)
+        candidates = self.table.candidates(arrival.model, role)
+        if not candidates:
+            return None
+        try:
+            return self._place(arrival, role, candidates, now_ms)
+        except NoWorkerAvailable:
+            return None
+
     def tick(self, now_ms: int) -> list[Effect]:
         """Periodic work at ``now_ms``, as effects in order: workers past their
         TTL expire (:class:`WorkerExpired`); workers whose KV events the index
@@ -421,19 +437,11 @@ class RouterCore:
                   free: Sequence[WorkerView], now_ms: int, expired: tuple[str, ...] = ()) -> Decision:
         """Place ``arrival`` among ``free`` (the candidates that are not busy) and count it."""
         table = self.table
-        hashes: Sequence[int] = ()
-        if self.needs_hashes and candidates:
-            hashes = arrival.block_hashes
-            if hashes is None:
-                tokens = arrival.token_ids
-                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
-        req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
-                           arrival.created_ms or now_ms)
         if len(free) != len(candidates):  # the policy must not see a busy worker
             free_ids = {w.worker_id for w in free}
             table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)
         try:
-            placement = place(self.policy, req, table, self.disagg_config, role)
+            placement = self._place(arrival, role, candidates, now_ms)
         except NoWorkerAvailable as exc:
             self.counters["rejected"] += 1
             return Decision(DecisionOutcome.rejected, arrival, role, now_ms, reason=str(exc), expired=expired,
@@ -448,6 +456,22 @@ class RouterCore:
         target = workers[decision.prefill_worker_id] if placement.plan.remote else decode
         self.counters["routed"] += 1
         return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired)
+
+    def _place(self, arrival: Arrival, role: WorkerRole, candidates: list[WorkerView], now_ms: int) -> Placement:
+        """The policy's placement of ``arrival`` over the table's candidates (busy ones already marked).
+
+        Raises:
+            NoWorkerAvailable: no worker of the model and role.
+        """
+        hashes: Sequence[int] = ()
+        if self.needs_hashes and candidates:
+            hashes = arrival.block_hashes
+            if hashes is None:
+                tokens = arrival.token_ids
+                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
+        req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
+                           arrival.created_ms or now_ms)
+        return place(self.policy, req, self.table, self.disagg_config, role)
 
     def _release(self, now_ms: int, effects: list[Effect]) -> None:
         """Shed held requests past their deadline, then release the others in queue order."""
