@@ -39,6 +39,7 @@ RINGER = textwrap.dedent("""
 
 @pytest.fixture
 def bootstrap():
+    doorbell.close_doorbell()  # one per process: an earlier test's may still be open, with its own callback
     name = f"test-{uuid.uuid4().hex}:1"
     yield name
     doorbell.close_doorbell()

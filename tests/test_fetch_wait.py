@@ -171,3 +171,52 @@ def test_a_catch_up_fetch_is_never_cut():
     p.wait_ms([(REQ, 0, 0)], now=0.0)
     assert p.wait_ms([(REQ, 100, 5000)], now=0.1) == 250 and not p.quiet  # behind: the broker needs the time
     assert p.wait_ms([(REQ, 5000, 5000)], now=60.0) == 200 and p.quiet
+
+
+async def test_a_cut_before_the_fetch_task_runs_does_not_stop_the_consumer(kafka, waiter):
+    """A wake that lands between the fetch task's creation and its first step
+    (a ring arriving as the fetch goes out) must not end aiokafka's fetch
+    routine: the consumer still receives the next record."""
+    import weakref
+
+    from aiokafka import TopicPartition
+
+    from kvflow.streams import fetch_wait
+    from kvflow.streams.kafka import make_consumer, make_producer
+
+    kafka_settings, catalog = kafka
+    topic = catalog.requests.name
+    consumer, producer = make_consumer(kafka_settings), make_producer(kafka_settings)
+    await consumer.start()
+    await producer.start()
+    t = TopicPartition(topic, 0)
+    consumer.assign([t])
+    await consumer.seek_to_end(t)
+    p = install(consumer, FetchWaitPolicy(active_ms=10, idle_ms=2_000, active_window_s=0.0))
+    choose, early_cuts = p.wait_ms, []
+
+    def wait_ms(partitions, now):  # schedule a cut that runs before the fetch task's first step
+        if len(early_cuts) < 3:
+            early_cuts.append(now)
+            asyncio.get_running_loop().call_soon(fetch_wait._cut, weakref.ref(consumer))
+        return choose(partitions, now)
+
+    p.wait_ms = wait_ms
+    got: list = []
+
+    async def read() -> None:
+        while True:
+            for records in (await consumer.getmany(timeout_ms=30_000)).values():
+                got.extend(records)
+
+    reader = asyncio.create_task(read())
+    try:
+        await waiter(lambda: len(early_cuts) == 3, timeout_s=60)
+        await producer.send_and_wait(topic, b"y", partition=0)
+        await waiter(lambda: got, timeout_s=60)
+        assert [r.value for r in got] == [b"y"]
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await producer.stop()
+        await consumer.stop()

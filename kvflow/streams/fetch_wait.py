@@ -225,12 +225,26 @@ def _cut_threadsafe(loop: asyncio.AbstractEventLoop, ref: Callable[[], Any]) -> 
         loop.call_soon_threadsafe(_cut, ref)  # faust runs its consumer on its own thread's loop
 
 
-def _cut(ref: Callable[[], Any]) -> None:
+def _waiting_on_the_broker(task: asyncio.Task) -> bool:
+    """Whether a fetch task is suspended in its request to the broker, the one
+    place where aiokafka's fetch coroutine turns a cancellation into "no data"."""
+    awaited = getattr(task.get_coro(), "cr_await", None)
+    return getattr(awaited, "__qualname__", "") == "AIOKafkaClient.send"
+
+
+_CUT_RETRIES = 20
+
+
+def _cut(ref: Callable[[], Any], retries: int = _CUT_RETRIES) -> None:
     """Abort ``consumer``'s in-flight fetch so its next one goes out now.
 
     The broker answers requests on one connection in order, so cancelling
     the fetch task is not enough: the connection it waits on is closed too
-    and the next fetch opens a fresh one (a few ms on localhost).
+    and the next fetch opens a fresh one (a few ms on localhost). Only a
+    fetch task suspended in its broker request is cancelled: cancelling one
+    that has not started yet (or that sleeps after an error) makes its
+    result raise, which ends aiokafka's fetch routine for good (the consumer
+    then never fetches again). Such a task is retried on the next loop turns.
     """
     consumer = ref()
     fetcher = getattr(consumer, "_fetcher", None)
@@ -242,6 +256,10 @@ def _cut(ref: Callable[[], Any]) -> None:
     tasks = [t for t in fetcher._pending_tasks if not t.done()]
     if not tasks or any(t.get_coro().__qualname__ != "Fetcher._proc_fetch_request" for t in tasks):
         return  # e.g. a position reset in flight (start-up): cancelling it would stall those partitions
+    if not all(_waiting_on_the_broker(t) for t in tasks):
+        if retries > 0:
+            fetcher._loop.call_later(0.002, _cut, ref, retries - 1)
+        return
     nodes = set(fetcher._in_flight)
     for task in tasks:
         task.cancel()  # the fetcher treats a cancelled fetch as "no data" and sends the next one
