@@ -32,7 +32,7 @@ def test_step_burst_quadruples_the_rate_inside_its_window() -> None:
 def test_code_traffic_has_long_prompts_and_short_outputs() -> None:
     reqs = generate("code", SPEC, seed=0)
     isl, osl = np.mean([r.isl for r in reqs]), np.mean([r.osl for r in reqs])
-    assert isl > 2000 and osl < 80 and isl / osl > 30
+    assert isl > 1500 and osl < 80 and isl / osl > 30
 
 
 def test_diurnal_peaks_mid_trace() -> None:
@@ -44,7 +44,7 @@ def test_isl_shift_moves_the_prompt_length_at_mid_trace() -> None:
     reqs = generate("isl_shift", SPEC, seed=0)
     first = np.mean([r.isl for r in reqs if r.arrival_s < 150])
     second = np.mean([r.isl for r in reqs if r.arrival_s >= 150])
-    assert second > 3 * first
+    assert second > 2.5 * first
 
 
 def test_written_csv_reads_back_as_an_azure_trace(tmp_path) -> None:

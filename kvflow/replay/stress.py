@@ -10,17 +10,18 @@ file:
   for a duration drawn uniformly from ``[30, 60]`` s, then steps back.
   Conversation-like lengths.
 * ``code``: long prompts, short outputs (code completion, retrieval): ISL
-  log-normal around 3,000 tokens, OSL around 40, arrivals a Markov-modulated
+  log-normal around 2,000 tokens, OSL around 40, arrivals a Markov-modulated
   Poisson process that switches between a quiet and a busy rate (×3) with
   exponential sojourns of mean 40 s (bursty, not periodic).
 * ``diurnal``: the rate follows one raised-cosine day compressed into the
   trace: ``base * (1 + (peak_factor - 1) * (1 - cos(2π t / T)) / 2)``, from
   ``base`` to ``peak_factor × base`` at mid-trace and back.
 * ``isl_shift``: constant rate; at mid-trace the mean ISL jumps from ~600 to
-  ~2,400 tokens (a new client with long prompts) while OSL stays.
+  ~2,000 tokens (a new client with long prompts) while OSL stays.
 
 Lengths are log-normal (``sigma`` 0.6 for ISL, 0.7 for OSL), clipped to
-``[16, 8192]`` ISL and ``[2, 2048]`` OSL tokens. Inhomogeneous arrivals are
+``[16, 4096]`` ISL (a 4k context; longer prompts alone take
+most of a 500 ms TTFT to prefill on the slowed-down mocker the evaluation uses) and ``[2, 2048]`` OSL tokens. Inhomogeneous arrivals are
 drawn by thinning (Lewis and Shedler, "Simulation of nonhomogeneous Poisson
 processes by thinning", Naval Research Logistics Quarterly 26(3), 1979).
 
@@ -43,7 +44,7 @@ import numpy as np
 __all__ = ["SHAPES", "StressRequest", "StressSpec", "generate", "write_azure_csv", "burst_window_s"]
 
 _T0 = datetime(2024, 1, 1, 0, 0, 0)
-_ISL_RANGE = (16, 8192)
+_ISL_RANGE = (16, 4096)
 _OSL_RANGE = (2, 2048)
 
 
@@ -62,18 +63,18 @@ class StressSpec:
 
     Attributes:
         duration_s: trace length, s. Defaults to 600.
-        base_rate_per_s: quiet arrival rate, requests/s. Defaults to 2.
+        base_rate_per_s: quiet arrival rate, requests/s. Defaults to 4.
         burst_factor: ``step_burst`` rate multiplier. Defaults to 4.
         burst_start_s: ``step_burst`` start, s. Defaults to 240.
         burst_min_s / burst_max_s: ``step_burst`` duration range, s. Defaults to 30 / 60.
         peak_factor: ``diurnal`` peak over base. Defaults to 4.
         isl_mean / osl_mean: conversation-like mean lengths, tokens. Defaults to 600 / 200.
-        code_isl_mean / code_osl_mean: ``code`` mean lengths, tokens. Defaults to 3000 / 40.
-        shifted_isl_mean: ``isl_shift`` mean ISL after the shift, tokens. Defaults to 2400.
+        code_isl_mean / code_osl_mean: ``code`` mean lengths, tokens. Defaults to 2000 / 40.
+        shifted_isl_mean: ``isl_shift`` mean ISL after the shift, tokens. Defaults to 2000.
     """
 
     duration_s: float = 600.0
-    base_rate_per_s: float = 2.0
+    base_rate_per_s: float = 4.0
     burst_factor: float = 4.0
     burst_start_s: float = 240.0
     burst_min_s: float = 30.0
@@ -81,9 +82,9 @@ class StressSpec:
     peak_factor: float = 4.0
     isl_mean: float = 600.0
     osl_mean: float = 200.0
-    code_isl_mean: float = 3000.0
+    code_isl_mean: float = 2000.0
     code_osl_mean: float = 40.0
-    shifted_isl_mean: float = 2400.0
+    shifted_isl_mean: float = 2000.0
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.base_rate_per_s <= 0:
