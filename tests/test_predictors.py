@@ -136,3 +136,13 @@ def test_backtest_on_a_steady_trend_prefers_the_trend_model():
 def test_backtest_refuses_itself_as_a_candidate():
     with pytest.raises(ValueError):
         make_predictor("backtest", candidates=("backtest",))
+
+
+def test_predict_ahead_extrapolates_the_kalman_trend_and_holds_a_level():
+    k = _feed(make_predictor("kalman"), [10.0 + 2 * i for i in range(N)])
+    assert k.predict_ahead(1) == pytest.approx(k.predict())
+    assert k.predict_ahead(3) == pytest.approx(k.predict() + 4.0, abs=0.1)
+    c = _feed(make_predictor("constant"), [1.0, 7.0])
+    assert c.predict_ahead(5) == 7.0
+    with pytest.raises(NotReadyError):
+        make_predictor("max_recent").predict_ahead(2)

@@ -76,6 +76,23 @@ class LoadPredictor(abc.ABC):
             raise NotReadyError(f"{type(self).__name__} has no observations")
         return float(self._forecast())
 
+    def predict_ahead(self, steps: float) -> float:
+        """Forecast ``steps`` intervals ahead (``steps >= 1``; 1 is :meth:`predict`).
+
+        The planner asks this when a new replica takes longer than an
+        interval to start: it must be sized for the load when it is ready.
+        Predictors without a trend answer their one-step forecast; the
+        Kalman trend model extrapolates its slope; backtest asks its choice.
+
+        Raises:
+            NotReadyError: nothing was observed yet.
+        """
+        self.predict()  # raises NotReadyError before any observation
+        return float(self._forecast_ahead(max(1.0, float(steps))))
+
+    def _forecast_ahead(self, steps: float) -> float:
+        return self._forecast()
+
     def _on_observe(self, value: float) -> None:
         """Hook for predictors with recursive state (Kalman)."""
 
@@ -199,6 +216,11 @@ class KalmanPredictor(LoadPredictor):
 
     def _forecast(self) -> float:
         return float((self._F @ self._x)[0])
+
+    def _forecast_ahead(self, steps: float) -> float:
+        if self._x.shape[0] == 1:
+            return float(self._x[0])
+        return float(self._x[0] + steps * self._x[1])
 
 
 class ProphetPredictor(LoadPredictor):
@@ -337,6 +359,10 @@ class BacktestPredictor(LoadPredictor):
         best = min(scored)[1] if scored else 0
         self.chosen = self.names[best]
         return self.candidates[best].predict()
+
+    def _forecast_ahead(self, steps: float) -> float:
+        self._forecast()  # sets chosen
+        return self.candidates[self.names.index(self.chosen)].predict_ahead(steps)
 
 
 PREDICTORS: dict[str, type[LoadPredictor]] = {
