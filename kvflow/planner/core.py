@@ -259,7 +259,11 @@ class TickInput:
     interval just observed (None: the same as ``current_replicas``). The
     correction factors divide the observed load by these: a replica still
     loading its model served nothing, and counting it would make the
-    observed latency look like a profile error and over-correct.
+    observed latency look like a profile error and over-correct. It may be
+    fractional (a time-weighted mean over the interval). A pool that served
+    with fewer replicas than it now runs (some were starting) keeps its
+    correction: its latency then measured the missing capacity, which the
+    planner already added, not an error of the profile.
     ``startup_s``: measured seconds from a scale-up to the new replica
     serving (None: :attr:`PlannerConfig.worker_startup_s`).
     """
@@ -267,7 +271,7 @@ class TickInput:
     now_ms: int
     traffic: TrafficObservation
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
-    serving_replicas: Mapping[WorkerRole, int] | None = None
+    serving_replicas: Mapping[WorkerRole, float] | None = None
     startup_s: float | None = None
 
 
@@ -414,8 +418,12 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
         return p_corr, d_corr
     agg = cfg.mode is PlannerMode.aggregated
     served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
-    n_p = served.get(WorkerRole.aggregated if agg else WorkerRole.prefill, 0)
-    n_d = served.get(WorkerRole.aggregated if agg else WorkerRole.decode, 0)
+    p_pool, d_pool = (WorkerRole.aggregated, WorkerRole.aggregated) if agg else (WorkerRole.prefill, WorkerRole.decode)
+    n_p, n_d = served.get(p_pool, 0), served.get(d_pool, 0)
+    if n_p < tick.current_replicas.get(p_pool, 0) - 0.5:
+        n_p = 0  # replicas were starting: keep the correction (see TickInput)
+    if n_d < tick.current_replicas.get(d_pool, 0) - 0.5:
+        n_d = 0
     rate = t.request_rate_per_s
     eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
     ttft = t.p99_ttft_ms if cfg.ttft_statistic == "p99" else t.mean_ttft_ms

@@ -14,7 +14,13 @@ Each tick (:meth:`PlannerLoop.tick`):
 3. Call the pure core, :func:`~kvflow.planner.core.on_tick`, with the
    replicas running now (``current_replicas()``).
 4. Publish :func:`~kvflow.planner.core.scaling_commands` (pools whose target
-   changed) to the scaling topic, keyed by pool.
+   changed) to the scaling topic, keyed by pool. In shadow mode
+   (``shadow=True``) the records carry ``shadow=True``: they say what the
+   planner would do, and connectors act on none of them.
+
+The start-up time the core plans with (its lead time) is measured here
+(:class:`LeadTimeTracker`): from a published scale-up to the tick at which
+the pool's counted replicas first reach its target.
 
 A failed tick (ClickHouse error, no feasible profile point) is logged and
 leaves the planner state as it was; the loop keeps ticking.
@@ -26,7 +32,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvflow.aio import cancel_and_wait
@@ -47,7 +53,8 @@ from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import make_producer
 
-__all__ = ["PlannerLoop", "TickReport", "ReplicaCounter", "load_profile", "publish_command", "workers_topic_counter"]
+__all__ = ["PlannerLoop", "TickReport", "ReplicaCounter", "LeadTimeTracker", "load_profile", "publish_command",
+           "workers_topic_counter"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +107,43 @@ async def publish_command(producer, catalog: Catalog, command: ScalingCommand) -
     await producer.send_and_wait(catalog.scaling.name, encode(command), key=command.pool.value.encode())
 
 
+@dataclass
+class LeadTimeTracker:
+    """Measures how long a scale-up takes to serve: from the command's
+    ``ts_ms`` to the first replica count (of the counter the planner reads:
+    serving workers on the workers topic, or the connector's) at or above its
+    target. A newer scale-up of a pool replaces an unfinished one; the
+    estimate is the mean of the last ``keep`` samples (None before any).
+
+    A count that is read once per tick bounds the resolution to one
+    adjustment interval; a lower bound is fine for a lead time (the core adds
+    one interval to it).
+    """
+
+    keep: int = 8
+    pending: dict[WorkerRole, tuple[int, int]] = field(default_factory=dict)  # pool -> (ts_ms, target)
+    samples_s: list[float] = field(default_factory=list)
+
+    def on_command(self, command: ScalingCommand) -> None:
+        """Note a published command; only scale-ups start a measurement."""
+        if command.target_replicas > command.current_replicas and not command.shadow:
+            self.pending[command.pool] = (command.ts_ms, command.target_replicas)
+        else:
+            self.pending.pop(command.pool, None)
+
+    def on_count(self, counted: Mapping[WorkerRole, int], now_ms: int) -> None:
+        """Close the measurements whose pool now runs its target."""
+        for pool, (ts, target) in list(self.pending.items()):
+            if counted.get(pool, 0) >= target:
+                self.samples_s = [*self.samples_s[-self.keep + 1:], max(0.0, (now_ms - ts) / 1000.0)]
+                del self.pending[pool]
+
+    @property
+    def startup_s(self) -> float | None:
+        """Mean measured start-up time, s (None: nothing measured yet)."""
+        return sum(self.samples_s) / len(self.samples_s) if self.samples_s else None
+
+
 @dataclass(frozen=True)
 class TickReport:
     """What one tick saw and did: the window's aggregates, the core's effects
@@ -126,12 +170,14 @@ class PlannerLoop:
             sink delay), s.
         before_query: awaited before each query (the sink's flush).
         clock_ms: epoch-ms clock (injected by tests).
+        shadow: publish decisions marked advisory (``ScalingCommand.shadow``);
+            nothing acts on them.
     """
 
     def __init__(self, settings: Settings, catalog: Catalog, clickhouse, config: PlannerConfig, profile: Profile,
                  current_replicas: ReplicaCounter, *, model: str | None = None, settle_s: float = 1.0,
                  before_query: Callable[[], Awaitable[object]] | None = None,
-                 clock_ms: Callable[[], int] = now_ms) -> None:
+                 clock_ms: Callable[[], int] = now_ms, shadow: bool = False) -> None:
         if settle_s < 0:
             raise ValueError("settle_s must be >= 0")
         self.settings, self.catalog, self.clickhouse = settings, catalog, clickhouse
@@ -142,6 +188,8 @@ class PlannerLoop:
         self.settle_ms = int(settle_s * 1000)
         self.before_query = before_query
         self.clock_ms = clock_ms
+        self.shadow = shadow
+        self.lead_time = LeadTimeTracker()
         self.producer = make_producer(settings)
         self.last_window_end_ms: int | None = None
         self.reports: list[TickReport] = []
@@ -208,13 +256,15 @@ class PlannerLoop:
         if inspect.isawaitable(counted):
             counted = await counted
         current = {WorkerRole(k): int(v) for k, v in counted.items()}
+        self.lead_time.on_count(current, now)
         state, effects = on_tick(self.state, TickInput(now_ms=now, traffic=agg.to_observation(),
-                                                       current_replicas=current))
-        commands = tuple(scaling_commands(effects))
+                                                       current_replicas=current, startup_s=self.lead_time.startup_s))
+        commands = tuple(scaling_commands(effects, shadow=self.shadow))
         for command in commands:
             await publish_command(self.producer, self.catalog, command)
-            log.info("scaling %s %d -> %d (%s)", command.pool.value, command.current_replicas,
-                     command.target_replicas, command.reason)
+            self.lead_time.on_command(command)
+            log.info("%sscaling %s %d -> %d (%s)", "shadow: " if self.shadow else "", command.pool.value,
+                     command.current_replicas, command.target_replicas, command.reason)
         self.state, self.last_window_end_ms = state, t1
         report = TickReport(agg, current, effects, commands)
         self.reports = [*self.reports[-99:], report]

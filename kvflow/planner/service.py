@@ -161,6 +161,8 @@ class PlannerServices:
         data_dir: chDB directory override (tests).
         flush_interval_s: sink flush period, s.
         settle_s: how far behind the tick the planner's window ends, s.
+        shadow: shadow mode: decisions are published marked advisory and no
+            connector runs, so nothing scales.
     """
 
     settings: Settings
@@ -173,6 +175,7 @@ class PlannerServices:
     data_dir: Path | str | None = None
     flush_interval_s: float = 1.0
     settle_s: float = 1.0
+    shadow: bool = False
     clickhouse: SharedClickHouse | None = field(default=None, init=False)
     sink: SinkService | None = field(default=None, init=False)
     loop: PlannerLoop | None = field(default=None, init=False)
@@ -189,14 +192,14 @@ class PlannerServices:
         self.clickhouse = await open_shared_clickhouse(self.settings, self.data_dir)
         log.info("planner metrics store: %s", self.clickhouse.location)
         try:
-            if self.connector is not None:
+            if self.connector is not None and not self.shadow:
                 self.connector_service = ConnectorService(self.settings, catalog, self.connector)
                 await self.connector_service.start()
             self.sink = SinkService(self.settings, catalog, self.clickhouse, flush_interval_s=self.flush_interval_s)
             await self.sink.start()
             self.loop = PlannerLoop(self.settings, catalog, self.clickhouse, self.config, self.profile,
                                     self.current_replicas, model=self.model, settle_s=self.settle_s,
-                                    before_query=self.sink.flush)
+                                    before_query=self.sink.flush, shadow=self.shadow)
             await self.loop.start()
         except Exception:
             await self.stop()

@@ -204,6 +204,7 @@ class SlaPlannerHook:
         self._next_tick_ms = self.tick_ms
         self._pending: list[RequestRecord] | None = None
         self._arrivals: np.ndarray | None = None
+        self._ready_samples: list[int] = []  # ready workers at each fast check of the interval
 
     def _window(self, sim: Simulation, t1_ms: float) -> list[RequestRecord]:
         """Records that left the system since the last tick (each is returned once)."""
@@ -268,6 +269,7 @@ class SlaPlannerHook:
                     itl.append((r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1))
         serving = self._serving(sim)
         ready = sum(1 for wid in serving if sim.workers[wid].ready_ms <= now_ms)
+        self._ready_samples.append(ready)
         return LiveSignals(
             now_ms=int(now_ms), window_s=self.config.reactive_window_s, arrivals=len(recent),
             mean_isl=_mean([r.isl for r in recent]), mean_osl=_mean([r.osl for r in recent]),
@@ -291,6 +293,9 @@ class SlaPlannerHook:
         agg = interval_aggregates_from_records(self._window(sim, t1), t0, t1)
         serving = self._serving(sim)
         ready = sum(1 for wid in serving if sim.workers[wid].ready_ms <= now_ms)
+        samples = [*self._ready_samples, ready]  # mean over the interval: what actually served it
+        self._ready_samples = []
+        ready = sum(samples) / len(samples)
         self.state, effects = on_tick(self.state, TickInput(
             now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)},
             serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms)))
