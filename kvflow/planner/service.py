@@ -36,7 +36,7 @@ from clickhouse_connect.driver.client import Client
 from kvflow.planner.clickhouse import ensure_schema, open_client
 from kvflow.planner.connectors import Connector, ConnectorService
 from kvflow.planner.core import PlannerConfig
-from kvflow.planner.loop import PlannerLoop, ReplicaCounter
+from kvflow.planner.loop import LoadSignals, PlannerLoop, ReplicaCounter
 from kvflow.planner.profile import Profile
 from kvflow.planner.sink_service import SinkService
 from kvflow.settings import Settings
@@ -163,6 +163,8 @@ class PlannerServices:
         settle_s: how far behind the tick the planner's window ends, s.
         shadow: shadow mode: decisions are published marked advisory and no
             connector runs, so nothing scales.
+        fast_interval_s: seconds between the loop's fast-path checks (None: none).
+        load_signals: the workers' waiting load for the fast path (None: not used).
     """
 
     settings: Settings
@@ -176,6 +178,8 @@ class PlannerServices:
     flush_interval_s: float = 1.0
     settle_s: float = 1.0
     shadow: bool = False
+    fast_interval_s: float | None = 2.0
+    load_signals: LoadSignals | None = None
     clickhouse: SharedClickHouse | None = field(default=None, init=False)
     sink: SinkService | None = field(default=None, init=False)
     loop: PlannerLoop | None = field(default=None, init=False)
@@ -199,7 +203,8 @@ class PlannerServices:
             await self.sink.start()
             self.loop = PlannerLoop(self.settings, catalog, self.clickhouse, self.config, self.profile,
                                     self.current_replicas, model=self.model, settle_s=self.settle_s,
-                                    before_query=self.sink.flush, shadow=self.shadow)
+                                    before_query=self.sink.flush, shadow=self.shadow,
+                                    fast_interval_s=self.fast_interval_s, load_signals=self.load_signals)
             await self.loop.start()
         except Exception:
             await self.stop()

@@ -63,7 +63,7 @@ class StressSpec:
 
     Attributes:
         duration_s: trace length, s. Defaults to 600.
-        base_rate_per_s: quiet arrival rate, requests/s. Defaults to 4.
+        base_rate_per_s: quiet arrival rate, requests/s. Defaults to 8.
         burst_factor: ``step_burst`` rate multiplier. Defaults to 4.
         burst_start_s: ``step_burst`` start, s. Defaults to 240.
         burst_min_s / burst_max_s: ``step_burst`` duration range, s. Defaults to 30 / 60.
@@ -74,7 +74,7 @@ class StressSpec:
     """
 
     duration_s: float = 600.0
-    base_rate_per_s: float = 4.0
+    base_rate_per_s: float = 8.0
     burst_factor: float = 4.0
     burst_start_s: float = 240.0
     burst_min_s: float = 30.0
