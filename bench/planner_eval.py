@@ -65,7 +65,7 @@ def default_planner_config(max_workers: int, worker_startup_s: float) -> Planner
     return PlannerConfig(
         ttft_ms=SLA_TTFT_MS, itl_ms=SLA_ITL_MS, adjustment_interval_s=30.0, mode="aggregated",
         predictor="backtest", ttft_statistic="mean", itl_statistic="p99", correction_smoothing=0.5,
-        min_aggregated_replicas=1, max_gpus=max_workers, scale_down_hold_intervals=3,
+        min_aggregated_replicas=1, max_gpus=max_workers, scale_down_hold_intervals=3, correction_max=1.6,
         worker_startup_s=worker_startup_s)
 
 
@@ -78,7 +78,8 @@ def reaction_s(ev: PlannerEvaluation, burst_start_s: float) -> float | None:
 
 
 def plot(name: str, ev: PlannerEvaluation, out_dir: Path, window_s: float = 30.0) -> str:
-    """Workers over time against the arrival rate, and TTFT p99 per window; returns the PNG path."""
+    """Workers over time against the arrival rate, and TTFT and per-request ITL p99 per window
+    of arrivals; returns the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,11 +90,14 @@ def plot(name: str, ev: PlannerEvaluation, out_dir: Path, window_s: float = 30.0
     edges = np.arange(0.0, end_s + window_s, window_s)
     arrivals = np.array([r.arrival_ms / 1000.0 for r in recs])
     rate = np.histogram(arrivals, bins=edges)[0] / window_s
-    p99 = []
+    p99, itl99 = [], []
     for a, b in zip(edges[:-1], edges[1:]):
-        ttft = [r.first_token_ms - r.arrival_ms for r in recs
-                if a <= r.arrival_ms / 1000.0 < b and r.first_token_ms is not None]
+        window = [r for r in recs if a <= r.arrival_ms / 1000.0 < b and r.first_token_ms is not None]
+        ttft = [r.first_token_ms - r.arrival_ms for r in window]
+        itl = [(r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1) for r in window
+               if r.output_tokens > 1 and r.last_token_ms is not None]
         p99.append(np.percentile(ttft, 99) if ttft else np.nan)
+        itl99.append(np.percentile(itl, 99) if itl else np.nan)
     steps = ev.summary.replicas
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     ax1.step([s.t_s for s in steps], [s.live for s in steps], where="post", label="planner: live workers")
@@ -105,12 +109,18 @@ def plot(name: str, ev: PlannerEvaluation, out_dir: Path, window_s: float = 30.0
     axr.set_ylabel("requests/s")
     ax1.legend(loc="upper left", fontsize=8)
     ax1.set_title(f"{name}: SLA planner")
-    ax2.plot(edges[:-1] + window_s / 2, p99, marker=".")
-    ax2.axhline(SLA_TTFT_MS, color="red", ls="--", label="TTFT SLA")
+    mid = edges[:-1] + window_s / 2
+    ax2.plot(mid, p99, marker=".", label="TTFT p99")
+    ax2.axhline(SLA_TTFT_MS, color="tab:blue", ls="--", lw=0.8, label="TTFT SLA")
     ax2.set_yscale("log")
     ax2.set_ylabel(f"TTFT p99 per {window_s:g} s (ms)")
-    ax2.set_xlabel("trace time (s)")
-    ax2.legend(fontsize=8)
+    ax2.set_xlabel("arrival time (s)")
+    ax3 = ax2.twinx()
+    ax3.plot(mid, itl99, marker=".", color="tab:red", label="per-request ITL p99")
+    ax3.axhline(SLA_ITL_MS, color="tab:red", ls="--", lw=0.8, label="ITL SLA")
+    ax3.set_ylabel("ITL p99 (ms)")
+    ax2.legend(loc="upper left", fontsize=8)
+    ax3.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"planner_{name}.png"

@@ -118,7 +118,8 @@ def up(
     max_workers: Annotated[int, typer.Option(min=1, help="SLA planner: most workers.")] = 8,
     scale_down_hold_intervals: Annotated[int, typer.Option(
         min=1, help="SLA planner: intervals a lower need must last before scaling down.")] = 3,
-    predictor: Annotated[str, typer.Option(help="SLA planner: load predictor (constant, arima, kalman, prophet).")]
+    predictor: Annotated[str, typer.Option(
+        help="SLA planner: load predictor (constant, arima, kalman, prophet, max_recent, quantile, backtest).")]
     = "constant",
     profile: Annotated[Optional[Path], typer.Option(
         help="SLA planner: engine profile JSON (`kvflow profile`); default: profile the mocker now.")] = None,
@@ -461,7 +462,8 @@ def planner_cmd(
     min_replicas: Annotated[int, typer.Option(min=0, help="Fewest replicas of each pool.")] = 1,
     max_gpus: Annotated[int, typer.Option(min=1, help="GPUs all pools may use (1 per replica).")] = 8,
     scale_down_hold_intervals: Annotated[int, typer.Option(min=1)] = 3,
-    predictor: Annotated[str, typer.Option(help="constant, arima, kalman or prophet.")] = "constant",
+    predictor: Annotated[str, typer.Option(
+        help="constant, arima, kalman, prophet, max_recent, quantile or backtest.")] = "constant",
     profile: Annotated[Optional[Path], typer.Option(help="Engine profile JSON; default: profile the mocker.")] = None,
     connector: Annotated[str, typer.Option(help="none (publish commands only) | kubernetes.")] = "none",
     planner_mode: PlannerModeOpt = "active",

@@ -255,8 +255,8 @@ async def test_fast_check_scales_up_between_ticks_on_fresh_latency(kafka, clickh
                        before_query=sink.flush, fast_interval_s=1.0)
     await loop.start(run=False)
     try:
-        calm = [request(i, T0 + i * 100, isl=500, osl=50, ttft=100, itl=10) for i in range(40)]  # 10 req/s
-        late = [request(100 + i, T0 + 10_000 + i * 100, isl=500, osl=50, ttft=2_000, itl=10) for i in range(40)]
+        calm = [request(i, T0 + i * 50, isl=500, osl=50, ttft=100, itl=10) for i in range(80)]  # 20 req/s
+        late = [request(100 + i, T0 + 10_000 + i * 50, isl=500, osl=50, ttft=2_000, itl=10) for i in range(80)]
         rows = calm + late
         await produce(settings, catalog.metrics.name, [encode(r) for r in rows], [r.worker_id.encode() for r in rows])
         await waiter(lambda: sink.rows_written + sink.pending == len(rows), timeout_s=30)

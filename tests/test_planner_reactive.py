@@ -48,11 +48,15 @@ def test_noise_alone_does_not_scale_but_noise_with_a_backlog_does(perf):  # noqa
 
 def test_pressure_without_more_demand_adds_one_replica_per_start_up_time(perf):  # noqa: F811
     state = state_at(perf, 4)
-    _, effects = on_signals(state, signals(8.0, 4, p99_itl_ms=80.0))
+    _, effects = on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60))
     assert effects.target(A) == 5 and "p99 ITL 80.0 ms" in effects.decisions[0].reason
+    # over a few requests the p99 is one slow request: no pressure
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=20))[1] is None
     # the last step was 10 s ago, its replica still starting (30 s): wait for it
-    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, last_scale_up_ms=90_000))[1] is None
-    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, last_scale_up_ms=60_000))[1].target(A) == 5
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
+                                     last_scale_up_ms=90_000))[1] is None
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
+                                     last_scale_up_ms=60_000))[1].target(A) == 5
 
 
 def test_the_fast_path_never_scales_down_and_respects_the_budget(perf):  # noqa: F811

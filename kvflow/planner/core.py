@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 _EPS = 1e-9
+_STARTING_SHARE = 0.75  # below this share of replicas serving, an interval does not update corrections
 
 LATENCY_STATISTICS = ("mean", "p99")
 """Statistics of an interval's per-request latencies the targets may apply to."""
@@ -261,9 +262,11 @@ class TickInput:
     loading its model served nothing, and counting it would make the
     observed latency look like a profile error and over-correct. It may be
     fractional (a time-weighted mean over the interval). A pool that served
-    with fewer replicas than it now runs (some were starting) keeps its
-    correction: its latency then measured the missing capacity, which the
-    planner already added, not an error of the profile.
+    with less than 3/4 of the replicas it now runs (a burst's scale-up still
+    starting) keeps its correction: its latency then measured the missing
+    capacity, which the planner already added, not an error of the profile.
+    A smaller shortfall (one replica of a ramp) still updates it, divided by
+    the replicas that served.
     ``startup_s``: measured seconds from a scale-up to the new replica
     serving (None: :attr:`PlannerConfig.worker_startup_s`).
     """
@@ -420,9 +423,9 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
     served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
     p_pool, d_pool = (WorkerRole.aggregated, WorkerRole.aggregated) if agg else (WorkerRole.prefill, WorkerRole.decode)
     n_p, n_d = served.get(p_pool, 0), served.get(d_pool, 0)
-    if n_p < tick.current_replicas.get(p_pool, 0) - 0.5:
-        n_p = 0  # replicas were starting: keep the correction (see TickInput)
-    if n_d < tick.current_replicas.get(d_pool, 0) - 0.5:
+    if n_p < _STARTING_SHARE * tick.current_replicas.get(p_pool, 0):
+        n_p = 0  # many replicas were starting: keep the correction (see TickInput)
+    if n_d < _STARTING_SHARE * tick.current_replicas.get(d_pool, 0):
         n_d = 0
     rate = t.request_rate_per_s
     eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))

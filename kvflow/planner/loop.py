@@ -308,7 +308,8 @@ class PlannerLoop:
             state, effects = on_signals(self.state, LiveSignals(
                 now_ms=now, window_s=window_s, arrivals=agg.num_requests, mean_isl=agg.mean_isl,
                 mean_osl=agg.mean_osl, waiting_requests=waiting, waiting_prefill_tokens=tokens,
-                p99_ttft_ms=agg.p99_ttft_ms, p99_itl_ms=agg.p99_itl_ms, current_replicas=current,
+                p99_ttft_ms=agg.p99_ttft_ms, p99_itl_ms=agg.p99_itl_ms, finished_requests=agg.num_requests,
+                current_replicas=current,
                 ready_replicas=current, last_scale_up_ms=self.last_fast_ms, startup_s=self.lead_time.startup_s))
             if effects is None:
                 return ()

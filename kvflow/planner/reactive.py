@@ -13,7 +13,10 @@ ever scales **up**:
 2. **Pressure.** Any of: a request has waited longer than the TTFT target
    without its first token; the waiting prefill tokens exceed what the
    serving replicas compute within one TTFT target at the profile's peak
-   prefill throughput; the window's p99 TTFT or p99 ITL is above target.
+   prefill throughput; the window's p99 TTFT or p99 ITL is above target
+   (only from windows of at least :data:`MIN_TAIL_REQUESTS` finished
+   requests: over fewer, the p99 is nearly the maximum, and one slow
+   request would add a replica).
 3. **Decide.** Scale up to the demand need when it exceeds the current
    target and there is pressure, or when it reaches ``reactive_jump`` times
    the target (a step in arrivals shows before any queue builds).
@@ -41,7 +44,10 @@ from kvflow.planner.core import (
 from kvflow.planner.core import pool_needs as _pool_needs
 from kvflow.schemas.workers import WorkerRole
 
-__all__ = ["LiveSignals", "on_signals"]
+__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS"]
+
+MIN_TAIL_REQUESTS = 50
+"""Finished requests a window needs before its p99 TTFT/ITL count as pressure."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class LiveSignals:
         waiting_prefill_tokens: prompt tokens accepted and not yet computed.
         oldest_wait_ms: age of the oldest request still without its first token, ms.
         p99_ttft_ms / p99_itl_ms: of requests finished in the window (None: none finished).
+        finished_requests: requests finished in the window.
         current_replicas: replicas per pool, including starting ones.
         ready_replicas: replicas per pool that serve now.
         last_scale_up_ms: when the fast path last scaled up (None: never),
@@ -76,6 +83,7 @@ class LiveSignals:
     oldest_wait_ms: float = 0.0
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
+    finished_requests: int = 0
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     ready_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     last_scale_up_ms: int | None = None
@@ -87,9 +95,10 @@ def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | 
     cfg, perf = state.config, state.perf
     if sig.oldest_wait_ms > cfg.ttft_ms:
         return f"a request waits {sig.oldest_wait_ms:.0f} ms > TTFT target {cfg.ttft_ms:g}"
-    if sig.p99_ttft_ms is not None and sig.p99_ttft_ms > cfg.ttft_ms:
+    tail = sig.finished_requests >= MIN_TAIL_REQUESTS
+    if tail and sig.p99_ttft_ms is not None and sig.p99_ttft_ms > cfg.ttft_ms:
         return f"p99 TTFT {sig.p99_ttft_ms:.0f} ms > {cfg.ttft_ms:g}"
-    if sig.p99_itl_ms is not None and sig.p99_itl_ms > cfg.itl_ms:
+    if tail and sig.p99_itl_ms is not None and sig.p99_itl_ms > cfg.itl_ms:
         return f"p99 ITL {sig.p99_itl_ms:.1f} ms > {cfg.itl_ms:g}"
     ready = sig.ready_replicas.get(pool, 0)
     if sig.waiting_prefill_tokens and sig.mean_isl:

@@ -274,7 +274,7 @@ class SlaPlannerHook:
             now_ms=int(now_ms), window_s=self.config.reactive_window_s, arrivals=len(recent),
             mean_isl=_mean([r.isl for r in recent]), mean_osl=_mean([r.osl for r in recent]),
             waiting_requests=waiting, waiting_prefill_tokens=tokens, oldest_wait_ms=oldest,
-            p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1],
+            p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1], finished_requests=len(ttft),
             current_replicas={self.role: len(serving)}, ready_replicas={self.role: ready},
             last_scale_up_ms=int(self.reactive_ms[-1]) if self.reactive_ms else None,
             startup_s=self.measured_startup_s(sim, now_ms))
