@@ -352,7 +352,7 @@ def status(
         typer.echo(f"\nlast {len(commands)} scaling command(s):")
         for c in commands:
             typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
-                       f"{c.reason.split(';')[0]}")
+                       f"{'(shadow) ' if c.shadow else ''}{c.reason.split(';')[0]}")
 
 
 admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache "
