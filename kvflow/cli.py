@@ -62,6 +62,20 @@ ItlStatisticOpt = Annotated[str, typer.Option(
     help="SLA planner: mean | p99 of an interval's per-request ITLs that must meet --itl-ms.")]
 SmoothingOpt = Annotated[float, typer.Option(
     help="SLA planner: weight of the newest interval in the moving average of correction factors (1: none).")]
+PlannerModeOpt = Annotated[str, typer.Option(
+    help="SLA planner: active (scale) | shadow (publish decisions marked advisory on the scaling topic; "
+         "scale nothing).")]
+
+
+def _shadow(planner_mode: str) -> bool:
+    """``--planner-mode`` → shadow flag.
+
+    Raises:
+        typer.BadParameter: neither ``active`` nor ``shadow``.
+    """
+    if planner_mode not in ("active", "shadow"):
+        raise typer.BadParameter(f"--planner-mode must be active or shadow, not {planner_mode!r}")
+    return planner_mode == "shadow"
 
 
 def _logging(verbose: bool) -> None:
@@ -103,6 +117,7 @@ def up(
     data_dir: DataDirOpt = None,
     state_file: StateFileOpt = None,
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
+    planner_mode: PlannerModeOpt = "active",
     ttft_ms: Annotated[float, typer.Option(help="SLA planner: TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="SLA planner: ITL target, ms.")] = 50.0,
     ttft_statistic: TtftStatisticOpt = "mean",
@@ -113,7 +128,8 @@ def up(
     max_workers: Annotated[int, typer.Option(min=1, help="SLA planner: most workers.")] = 8,
     scale_down_hold_intervals: Annotated[int, typer.Option(
         min=1, help="SLA planner: intervals a lower need must last before scaling down.")] = 3,
-    predictor: Annotated[str, typer.Option(help="SLA planner: load predictor (constant, arima, kalman, prophet).")]
+    predictor: Annotated[str, typer.Option(
+        help="SLA planner: load predictor (constant, arima, kalman, prophet, max_recent, quantile, backtest).")]
     = "constant",
     profile: Annotated[Optional[Path], typer.Option(
         help="SLA planner: engine profile JSON (`kvflow profile`); default: profile the mocker now.")] = None,
@@ -148,6 +164,7 @@ def up(
     _logging(verbose)
     if planner not in ("none", "sla"):
         raise typer.BadParameter(f"--planner must be none or sla, not {planner!r}")
+    shadow = _shadow(planner_mode)
     settings = resolve_settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
                                 disagg_prefill_threshold_tokens=disagg_threshold_tokens,
                                 disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue,
@@ -238,8 +255,9 @@ def up(
             if ready.done():
                 ready.result()
                 if plan is not None:
-                    await sup.start_planner(*plan)
-                    typer.echo(f"SLA planner: TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
+                    await sup.start_planner(*plan, shadow=shadow)
+                    typer.echo(f"SLA planner{' (shadow: nothing is scaled)' if shadow else ''}: TTFT {ttft_ms:g} ms, "
+                               f"ITL {itl_ms:g} ms, every {adjustment_interval_s:g} s, "
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
                 typer.echo(f"{total} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
@@ -385,7 +403,7 @@ def status(
         typer.echo(f"\nlast {len(commands)} scaling command(s):")
         for c in commands:
             typer.echo(f"  {c.decision_id}  {c.pool.value}  {c.current_replicas} -> {c.target_replicas}  "
-                       f"{c.reason.split(';')[0]}")
+                       f"{'(shadow) ' if c.shadow else ''}{c.reason.split(';')[0]}")
 
 
 admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache "
@@ -585,9 +603,11 @@ def planner_cmd(
     min_replicas: Annotated[int, typer.Option(min=0, help="Fewest replicas of each pool.")] = 1,
     max_gpus: Annotated[int, typer.Option(min=1, help="GPUs all pools may use (1 per replica).")] = 8,
     scale_down_hold_intervals: Annotated[int, typer.Option(min=1)] = 3,
-    predictor: Annotated[str, typer.Option(help="constant, arima, kalman or prophet.")] = "constant",
+    predictor: Annotated[str, typer.Option(
+        help="constant, arima, kalman, prophet, max_recent, quantile or backtest.")] = "constant",
     profile: Annotated[Optional[Path], typer.Option(help="Engine profile JSON; default: profile the mocker.")] = None,
     connector: Annotated[str, typer.Option(help="none (publish commands only) | kubernetes.")] = "none",
+    planner_mode: PlannerModeOpt = "active",
     k8s_namespace: Annotated[str, typer.Option(help="kubernetes: namespace of the worker workloads.")] = "default",
     workload: Annotated[Optional[list[str]], typer.Option(
         help="kubernetes: POOL=NAME, one per pool (e.g. decode=kvflow-decode).")] = None,
@@ -613,6 +633,7 @@ def planner_cmd(
     from kvflow.streams.catalog import Catalog
 
     _logging(verbose)
+    shadow = _shadow(planner_mode)
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, clickhouse_url=clickhouse_url, data_dir=data_dir)
     try:
@@ -650,13 +671,13 @@ def planner_cmd(
         raise typer.BadParameter(f"--connector must be none or kubernetes, not {connector!r}")
 
     async def main() -> None:
-        services = PlannerServices(settings, config, prof, counter, connector=conn, catalog=catalog)
+        services = PlannerServices(settings, config, prof, counter, connector=conn, catalog=catalog, shadow=shadow)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await services.start()
-        typer.echo(f"SLA planner ({mode}, connector {connector}) on {settings.bootstrap_servers}; "
+        typer.echo(f"SLA planner ({mode}, {planner_mode}, connector {connector}) on {settings.bootstrap_servers}; "
                    f"metrics in {services.clickhouse.location}  (Ctrl-C to stop)")
         try:
             await stop.wait()

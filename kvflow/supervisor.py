@@ -237,7 +237,7 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
     async def start_planner(self, config, profile, *, model: str | None = None,
-                            data_dir: str | None = None) -> None:
+                            data_dir: str | None = None, shadow: bool = False) -> None:
         """Start the SLA planner in this process: metrics sink, planner loop and the
         local connector, which scales this supervisor's workers.
 
@@ -247,6 +247,8 @@ class Supervisor:
             profile: the engine :class:`kvflow.planner.profile.Profile`.
             model: plan on this model's requests only (``None``: all).
             data_dir: chDB directory (default: per namespace under ``settings.data_dir``).
+            shadow: publish decisions marked advisory and scale nothing
+                (no connector runs).
 
         Raises:
             kvflow.planner.service.ClickHouseLocked: another process owns the chDB directory.
@@ -257,7 +259,7 @@ class Supervisor:
         self.planner = PlannerServices(
             self.settings, config, profile, current_replicas=lambda: {p: self.replicas(p) for p in config.pools},
             connector=LocalConnector(self, max_replicas=QUEUE_SLOTS), catalog=self.catalog, model=model,
-            data_dir=data_dir)
+            data_dir=data_dir, shadow=shadow)
         await self.planner.start()
         if self.metrics is not None:
             from kvflow.planner.prometheus import planner_registry

@@ -140,6 +140,33 @@ async def test_stale_and_superseded_commands_are_not_applied(kafka, waiter):
     assert "older than 60 s" in reasons["old"] and "superseded by c" in reasons["b"]
 
 
+async def test_shadow_commands_are_never_applied(kafka, waiter):
+    settings, catalog = kafka
+
+    class Scaler:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        async def scale(self, role, target):
+            self.calls.append(target)
+
+        def replicas(self, role):
+            return self.calls[-1] if self.calls else 1
+
+    scaler = Scaler()
+    service = ConnectorService(settings, catalog, LocalConnector(scaler, max_replicas=8))
+    await service.start()
+    try:
+        t = now_ms()
+        advisory = ScalingCommand(decision_id="s1", pool=AGG, target_replicas=5, ts_ms=t, shadow=True)
+        await publish(settings, catalog, advisory, command("a1", 2, ts_ms=t + 1))
+        await waiter(lambda: len(service.applied) == 1 and service.skipped, timeout_s=20)
+    finally:
+        await service.stop()
+    assert scaler.calls == [2]
+    assert service.skipped == [("s1", "shadow decision (advisory)")]
+
+
 # --- kubernetes connector --------------------------------------------------------
 
 

@@ -254,3 +254,33 @@ async def test_planner_loop_ticks_on_its_own_and_survives_a_failed_query(kafka, 
     # Windows stay contiguous across the failed tick.
     for a, b in zip(loop.reports, loop.reports[1:]):
         assert b.aggregates.t0_ms == a.aggregates.t1_ms
+
+
+async def test_fast_check_scales_up_between_ticks_on_fresh_latency(kafka, clickhouse, waiter):
+    settings, catalog = kafka
+    config = PlannerConfig(ttft_ms=500, itl_ms=50, adjustment_interval_s=60, mode=PlannerMode.aggregated,
+                           max_gpus=8, reactive_window_s=5)
+    sink = SinkService(settings, catalog, clickhouse, flush_interval_s=0.2)
+    await sink.start()
+    loop = PlannerLoop(settings, catalog, clickhouse, config, load_profile(None), lambda: {AGG: 1}, settle_s=1.0,
+                       before_query=sink.flush, fast_interval_s=1.0)
+    await loop.start(run=False)
+    try:
+        calm = [request(i, T0 + i * 50, isl=500, osl=50, ttft=100, itl=10) for i in range(80)]  # 20 req/s
+        late = [request(100 + i, T0 + 10_000 + i * 50, isl=500, osl=50, ttft=2_000, itl=10) for i in range(80)]
+        rows = calm + late
+        await produce(settings, catalog.metrics.name, [encode(r) for r in rows], [r.worker_id.encode() for r in rows])
+        await waiter(lambda: sink.rows_written + sink.pending == len(rows), timeout_s=30)
+
+        assert await loop.fast_check(T0 + 5_000) == ()  # [T0, T0 + 4 s): light load, TTFT fine
+        commands = await loop.fast_check(T0 + 15_000)  # [T0 + 9 s, T0 + 14 s): TTFT p99 2 s > 500 ms
+        assert [(c.pool, c.current_replicas, c.target_replicas) for c in commands] == [(AGG, 1, 2)]
+        assert "reactive scale up 1 -> 2" in commands[0].reason and "p99 TTFT 2000 ms" in commands[0].reason
+        assert loop.state.targets[AGG] == 2 and loop.num_ticks == 0  # raised between ticks
+        published = await read_all(settings, catalog.scaling.name, 1)
+        assert [decode(ScalingCommand, m.value) for m in published] == list(commands)
+        # one step per start-up time: a second check right after adds nothing
+        assert await loop.fast_check(T0 + 16_000) == ()
+    finally:
+        await loop.stop()
+        await sink.stop()

@@ -72,7 +72,7 @@ def planner_config(**kw) -> PlannerConfig:
 
 def test_scales_up_on_a_burst_and_back_down_after_it(perf):
     trace = phases((0, 60, 1.0), (60, 120, 10.0), (120, 240, 1.0))
-    run = run_with_planner(trace, SimConfig(workers=1, mocker=MOCKER), planner_config(), perf)
+    run = run_with_planner(trace, SimConfig(workers=1, mocker=MOCKER), planner_config(), perf, fast_interval_s=None)
     ticks = run.hook.ticks
     assert [t.t_s for t in ticks[:4]] == [10.0, 20.0, 30.0, 40.0]  # every interval of simulated time
 

@@ -64,9 +64,11 @@ from kvflow.schemas.workers import WorkerRole
 __all__ = [
     "LATENCY_STATISTICS", "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction",
     "PoolDecision", "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
+    "pool_needs", "lead_steps", "fit_budget",
 ]
 
 _EPS = 1e-9
+_STARTING_SHARE = 0.75  # below this share of replicas serving, an interval does not update corrections
 
 LATENCY_STATISTICS = ("mean", "p99")
 """Statistics of an interval's per-request latencies the targets may apply to."""
@@ -131,6 +133,21 @@ class PlannerConfig:
             interval's p99 over a few hundred requests is noisy: pair it with
             ``correction_smoothing`` (0.5 in the documented offline run).
             Default ``"mean"`` for both.
+        worker_startup_s: seconds from a scale-up decision until the new
+            replica serves (process start, model load, registration): the
+            planner's lead time when nothing measured it yet
+            (:attr:`TickInput.startup_s` overrides it). Load is forecast
+            ``1 + startup / interval`` intervals ahead, where the replica
+            added now starts to matter. Defaults to 0.
+        reactive_window_s: window of the fast reactive path
+            (:mod:`kvflow.planner.reactive`): recent arrivals over this many
+            seconds size the pool between ticks. Defaults to 5.
+        reactive_jump: the fast path scales up on demand alone when the
+            recent arrivals need at least this many times the current target
+            (>= 1); with a backlog signal (requests waiting past the TTFT
+            target, observed TTFT/ITL above target) any excess scales up.
+            Defaults to 1.5: Poisson noise over 5 s at a few requests/s
+            stays below it.
     """
 
     ttft_ms: float = 500.0
@@ -154,6 +171,9 @@ class PlannerConfig:
     max_scale_up_factor: float | None = 2.0
     ttft_statistic: str = "mean"
     itl_statistic: str = "mean"
+    worker_startup_s: float = 0.0
+    reactive_window_s: float = 5.0
+    reactive_jump: float = 1.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlannerMode(self.mode))
@@ -176,6 +196,8 @@ class PlannerConfig:
             problems.append("correction_smoothing must be in (0, 1]")
         if self.ttft_statistic not in LATENCY_STATISTICS or self.itl_statistic not in LATENCY_STATISTICS:
             problems.append(f"ttft_statistic and itl_statistic must be one of {LATENCY_STATISTICS}")
+        if self.worker_startup_s < 0 or self.reactive_window_s <= 0 or self.reactive_jump < 1:
+            problems.append("need worker_startup_s >= 0, reactive_window_s > 0 and reactive_jump >= 1")
         if self.aggregated_sizing not in ("max", "sum"):
             problems.append("aggregated_sizing must be 'max' or 'sum'")
         floor_gpus = sum(self.min_replicas(p) * self.gpus_per_replica(p) for p in self.pools)
@@ -238,13 +260,22 @@ class TickInput:
     interval just observed (None: the same as ``current_replicas``). The
     correction factors divide the observed load by these: a replica still
     loading its model served nothing, and counting it would make the
-    observed latency look like a profile error and over-correct.
+    observed latency look like a profile error and over-correct. It may be
+    fractional (a time-weighted mean over the interval). A pool that served
+    with less than 3/4 of the replicas it now runs (a burst's scale-up still
+    starting) keeps its correction: its latency then measured the missing
+    capacity, which the planner already added, not an error of the profile.
+    A smaller shortfall (one replica of a ramp) still updates it, divided by
+    the replicas that served.
+    ``startup_s``: measured seconds from a scale-up to the new replica
+    serving (None: :attr:`PlannerConfig.worker_startup_s`).
     """
 
     now_ms: int
     traffic: TrafficObservation
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
-    serving_replicas: Mapping[WorkerRole, int] | None = None
+    serving_replicas: Mapping[WorkerRole, float] | None = None
+    startup_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -390,8 +421,12 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
         return p_corr, d_corr
     agg = cfg.mode is PlannerMode.aggregated
     served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
-    n_p = served.get(WorkerRole.aggregated if agg else WorkerRole.prefill, 0)
-    n_d = served.get(WorkerRole.aggregated if agg else WorkerRole.decode, 0)
+    p_pool, d_pool = (WorkerRole.aggregated, WorkerRole.aggregated) if agg else (WorkerRole.prefill, WorkerRole.decode)
+    n_p, n_d = served.get(p_pool, 0), served.get(d_pool, 0)
+    if n_p < _STARTING_SHARE * tick.current_replicas.get(p_pool, 0):
+        n_p = 0  # many replicas were starting: keep the correction (see TickInput)
+    if n_d < _STARTING_SHARE * tick.current_replicas.get(d_pool, 0):
+        n_d = 0
     rate = t.request_rate_per_s
     eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
     ttft = t.p99_ttft_ms if cfg.ttft_statistic == "p99" else t.mean_ttft_ms
@@ -403,11 +438,19 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
     return p_corr, d_corr
 
 
-def _predict(preds: LoadPredictors, hit_rate: float) -> Prediction:
+def _predict(preds: LoadPredictors, hit_rate: float, steps: float = 1.0) -> Prediction:
+    """Load ``steps`` intervals ahead (the lead time); lengths one step ahead."""
     def maybe(p: LoadPredictor) -> float | None:
         return max(0.0, p.predict()) if p.num_observations else None
-    return Prediction(request_rate_per_s=max(0.0, preds.rate.predict()), isl=maybe(preds.isl),
-                      osl=maybe(preds.osl), kv_hit_rate=hit_rate)
+    rate = max(preds.rate.predict(), preds.rate.predict_ahead(steps)) if steps > 1 else preds.rate.predict()
+    return Prediction(request_rate_per_s=max(0.0, rate), isl=maybe(preds.isl), osl=maybe(preds.osl),
+                      kv_hit_rate=hit_rate)
+
+
+def lead_steps(cfg: PlannerConfig, startup_s: float | None) -> float:
+    """Intervals ahead a replica added now must be sized for: ``1 + startup / interval``."""
+    startup = cfg.worker_startup_s if startup_s is None else max(0.0, startup_s)
+    return 1.0 + startup / cfg.adjustment_interval_s
 
 
 @dataclass(frozen=True)
@@ -445,6 +488,24 @@ def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: f
     return prefill, decode
 
 
+def pool_needs(state: PlannerState, pred: Prediction, p_corr: float | None = None,
+               d_corr: float | None = None) -> dict[WorkerRole, tuple[float, str]]:
+    """Fractional replicas per pool for load ``pred`` and a note on how.
+
+    Corrections default to the state's. Prefill is sized from the uncached
+    prompt tokens/s against the TTFT target, decode from the output tokens/s
+    against the ITL target, so the ISL/OSL mix decides which phase limits
+    (see the module docstring).
+
+    Raises:
+        ValueError: the profile has no feasible point at the predicted lengths.
+    """
+    p = state.prefill_correction if p_corr is None else p_corr
+    d = state.decode_correction if d_corr is None else d_corr
+    needs = _pool_needs(state.config, *_phase_needs(state, pred, p, d))
+    return {pool: (n.replicas, n.note) for pool, n in needs.items()}
+
+
 def _pool_needs(cfg: PlannerConfig, prefill: _Need, decode: _Need) -> dict[WorkerRole, _Need]:
     if cfg.mode is PlannerMode.disaggregated:
         return {WorkerRole.prefill: prefill, WorkerRole.decode: decode}
@@ -478,7 +539,7 @@ def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
     return previous, run, f"hold at {previous}: need {need} for {len(run)}/{cfg.scale_down_hold_intervals} intervals"
 
 
-def _fit_budget(cfg: PlannerConfig, targets: dict[WorkerRole, int]) -> dict[WorkerRole, int]:
+def fit_budget(cfg: PlannerConfig, targets: dict[WorkerRole, int]) -> dict[WorkerRole, int]:
     """Trim ``targets`` to ``max_gpus``, one replica at a time from the pool
     keeping the largest share of its target; never below a pool's minimum."""
     fitted = dict(targets)
@@ -510,7 +571,7 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
     _observe(preds, tick.traffic)
     hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
     p_corr, d_corr = _corrections(state, tick, hit_rate)
-    pred = _predict(preds, hit_rate)
+    pred = _predict(preds, hit_rate, lead_steps(cfg, tick.startup_s))
     needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr))
     uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0))
 
@@ -524,7 +585,7 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         previous = state.targets.get(pool, current)
         demand = max(cfg.min_replicas(pool), _ceil(uncorrected[pool].replicas))
         held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()), demand)
-    targets = _fit_budget(cfg, held)
+    targets = fit_budget(cfg, held)
 
     decisions = []
     for pool in cfg.pools:
@@ -544,7 +605,8 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
     return new_state, effects
 
 
-def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True) -> list[ScalingCommand]:
+def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True,
+                     shadow: bool = False) -> list[ScalingCommand]:
     """Scaling records for a tick's decisions.
 
     ``decision_id`` is ``"<now_ms>-<pool>"``: deterministic, so a replayed or
@@ -554,11 +616,13 @@ def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True) -> l
     Args:
         effects: the tick's effects.
         only_changed: emit only pools whose target differs from what runs now.
+        shadow: mark the records advisory (:attr:`ScalingCommand.shadow`):
+            connectors log them and act on none.
     """
     return [
         ScalingCommand(decision_id=f"{effects.now_ms}-{d.pool.value}", pool=d.pool,
                        target_replicas=d.target_replicas, current_replicas=d.current_replicas,
-                       reason=d.reason, ts_ms=effects.now_ms)
+                       reason=d.reason, ts_ms=effects.now_ms, shadow=shadow)
         for d in effects.decisions
         if d.changed or not only_changed
     ]

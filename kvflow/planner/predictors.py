@@ -9,6 +9,11 @@ interval's value. Every predictor has the same two-method interface
 * ``arima`` — a statsmodels ARIMA refitted on a sliding window.
 * ``kalman`` — a local-level or local-linear-trend Kalman filter in numpy.
 * ``prophet`` — Facebook Prophet (optional extra ``kvflow[prophet]``).
+* ``max_recent`` — the largest of the last few values (burst-aware: a burst
+  keeps the forecast up until it has passed for that many intervals).
+* ``quantile`` — a high quantile of the last values.
+* ``backtest`` — runs several of the above side by side, scores each one's
+  one-step forecasts over the recent window and answers with the best.
 
 Predictions are not clipped; a caller forecasting a non-negative quantity
 clips at 0 itself. Predictors are small plain objects, cheap to ``deepcopy``
@@ -26,7 +31,8 @@ import numpy as np
 
 __all__ = [
     "LoadPredictor", "ConstantPredictor", "ArimaPredictor", "KalmanPredictor", "ProphetPredictor",
-    "make_predictor", "PREDICTORS", "NotReadyError",
+    "MaxRecentPredictor", "QuantilePredictor", "BacktestPredictor", "make_predictor", "PREDICTORS",
+    "NotReadyError",
 ]
 
 
@@ -69,6 +75,23 @@ class LoadPredictor(abc.ABC):
         if not self.history:
             raise NotReadyError(f"{type(self).__name__} has no observations")
         return float(self._forecast())
+
+    def predict_ahead(self, steps: float) -> float:
+        """Forecast ``steps`` intervals ahead (``steps >= 1``; 1 is :meth:`predict`).
+
+        The planner asks this when a new replica takes longer than an
+        interval to start: it must be sized for the load when it is ready.
+        Predictors without a trend answer their one-step forecast; the
+        Kalman trend model extrapolates its slope; backtest asks its choice.
+
+        Raises:
+            NotReadyError: nothing was observed yet.
+        """
+        self.predict()  # raises NotReadyError before any observation
+        return float(self._forecast_ahead(max(1.0, float(steps))))
+
+    def _forecast_ahead(self, steps: float) -> float:
+        return self._forecast()
 
     def _on_observe(self, value: float) -> None:
         """Hook for predictors with recursive state (Kalman)."""
@@ -194,6 +217,11 @@ class KalmanPredictor(LoadPredictor):
     def _forecast(self) -> float:
         return float((self._F @ self._x)[0])
 
+    def _forecast_ahead(self, steps: float) -> float:
+        if self._x.shape[0] == 1:
+            return float(self._x[0])
+        return float(self._x[0] + steps * self._x[1])
+
 
 class ProphetPredictor(LoadPredictor):
     """Facebook Prophet refitted on the window, with one point per ``interval_s``.
@@ -231,17 +259,126 @@ class ProphetPredictor(LoadPredictor):
         return float(model.predict(pd.DataFrame({"ds": ds[-1:]}))["yhat"].iloc[0])
 
 
+class MaxRecentPredictor(LoadPredictor):
+    """The largest of the last ``lookback`` observations.
+
+    Burst-aware: a rise is followed at once, a fall only after ``lookback``
+    intervals, which is the scale-down hold a capacity planner wants anyway.
+    It over-forecasts a falling series by design.
+
+    Args:
+        lookback: observations the maximum is taken over (>= 1).
+        window: history kept (>= ``lookback``).
+    """
+
+    def __init__(self, lookback: int = 3, window: int = 64) -> None:
+        if lookback < 1:
+            raise ValueError("lookback must be >= 1")
+        super().__init__(max(window, lookback))
+        self.lookback = lookback
+
+    def _forecast(self) -> float:
+        return max(list(self.history)[-self.lookback:])
+
+
+class QuantilePredictor(LoadPredictor):
+    """The ``q`` quantile of the last ``lookback`` observations (numpy's linear interpolation).
+
+    Between the mean and :class:`MaxRecentPredictor`: a single outlier
+    interval moves it less than the maximum, a sustained rise as much.
+
+    Args:
+        q: quantile in [0, 1]. Defaults to 0.9.
+        lookback: observations the quantile is taken over (>= 1). Defaults to 6.
+        window: history kept (>= ``lookback``).
+    """
+
+    def __init__(self, q: float = 0.9, lookback: int = 6, window: int = 64) -> None:
+        if not 0.0 <= q <= 1.0 or lookback < 1:
+            raise ValueError("need 0 <= q <= 1 and lookback >= 1")
+        super().__init__(max(window, lookback))
+        self.q, self.lookback = q, lookback
+
+    def _forecast(self) -> float:
+        return float(np.quantile(np.fromiter(list(self.history)[-self.lookback:], dtype=float), self.q))
+
+
+class BacktestPredictor(LoadPredictor):
+    """Picks, every interval, the candidate whose recent one-step forecasts scored best.
+
+    Every candidate sees every observation. Before an observation ``y`` is
+    recorded, each candidate's standing forecast ``f`` is scored with an
+    asymmetric loss: ``under_weight * (y - f)`` when it under-forecast
+    (``f < y``: the pool would have been too small, the SLA pays) and
+    ``f - y`` when it over-forecast (replica-hours pay). A candidate's score
+    is its mean loss over the last ``lookback`` scored intervals (pinball
+    loss of the ``under_weight / (1 + under_weight)`` quantile; Koenker and
+    Bassett, "Regression quantiles", Econometrica 46(1), 1978). The forecast
+    is the best-scoring candidate's; ties go to the earlier candidate, and
+    before any score the first candidate answers.
+
+    Args:
+        candidates: predictor names (any in :data:`PREDICTORS` except ``backtest``),
+            each built with its defaults. Defaults to constant, max_recent, quantile, kalman.
+        under_weight: cost of one unit under-forecast relative to one unit
+            over (>= 1). Defaults to 3: a 75th-percentile target, since a
+            missed SLA costs more than an idle replica.
+        lookback: scored intervals per candidate. Defaults to 10.
+        window: history kept.
+
+    Attributes:
+        chosen: name of the candidate that made the last forecast.
+    """
+
+    def __init__(self, candidates: tuple[str, ...] = ("constant", "max_recent", "quantile", "kalman"),
+                 under_weight: float = 3.0, lookback: int = 10, window: int = 64) -> None:
+        if not candidates or "backtest" in candidates:
+            raise ValueError("candidates must be a non-empty list of predictors other than backtest")
+        if under_weight < 1 or lookback < 1:
+            raise ValueError("need under_weight >= 1 and lookback >= 1")
+        super().__init__(window)
+        self.names = tuple(candidates)
+        self.candidates = [make_predictor(n) for n in self.names]
+        self.under_weight, self.lookback = under_weight, lookback
+        self.losses: list[deque[float]] = [deque(maxlen=lookback) for _ in self.names]
+        self.chosen = self.names[0]
+
+    def _on_observe(self, value: float) -> None:
+        for cand, losses in zip(self.candidates, self.losses):
+            if cand.num_observations:
+                f = cand.predict()
+                losses.append(self.under_weight * (value - f) if f < value else f - value)
+            cand.observe(value)
+
+    def scores(self) -> dict[str, float | None]:
+        """Mean recent loss per candidate name (None before it was scored)."""
+        return {n: (sum(l) / len(l) if l else None) for n, l in zip(self.names, self.losses)}
+
+    def _forecast(self) -> float:
+        scored = [(sum(l) / len(l), i) for i, l in enumerate(self.losses) if l]
+        best = min(scored)[1] if scored else 0
+        self.chosen = self.names[best]
+        return self.candidates[best].predict()
+
+    def _forecast_ahead(self, steps: float) -> float:
+        self._forecast()  # sets chosen
+        return self.candidates[self.names.index(self.chosen)].predict_ahead(steps)
+
+
 PREDICTORS: dict[str, type[LoadPredictor]] = {
     "constant": ConstantPredictor,
     "arima": ArimaPredictor,
     "kalman": KalmanPredictor,
     "prophet": ProphetPredictor,
+    "max_recent": MaxRecentPredictor,
+    "quantile": QuantilePredictor,
+    "backtest": BacktestPredictor,
 }
 """Predictor names accepted by :func:`make_predictor`."""
 
 
 def make_predictor(name: str, **kwargs) -> LoadPredictor:
-    """Build a predictor by name (``constant``, ``arima``, ``kalman``, ``prophet``).
+    """Build a predictor by name (a key of :data:`PREDICTORS`).
 
     ``kwargs`` go to the predictor's constructor (``window`` for all; see each class).
 

@@ -36,7 +36,7 @@ from clickhouse_connect.driver.client import Client
 from kvflow.planner.clickhouse import ensure_schema, open_client
 from kvflow.planner.connectors import Connector, ConnectorService
 from kvflow.planner.core import PlannerConfig
-from kvflow.planner.loop import PlannerLoop, ReplicaCounter
+from kvflow.planner.loop import LoadSignals, PlannerLoop, ReplicaCounter
 from kvflow.planner.profile import Profile
 from kvflow.planner.sink_service import SinkService
 from kvflow.settings import Settings
@@ -161,6 +161,10 @@ class PlannerServices:
         data_dir: chDB directory override (tests).
         flush_interval_s: sink flush period, s.
         settle_s: how far behind the tick the planner's window ends, s.
+        shadow: shadow mode: decisions are published marked advisory and no
+            connector runs, so nothing scales.
+        fast_interval_s: seconds between the loop's fast-path checks (None: none).
+        load_signals: the workers' waiting load for the fast path (None: not used).
     """
 
     settings: Settings
@@ -173,6 +177,9 @@ class PlannerServices:
     data_dir: Path | str | None = None
     flush_interval_s: float = 1.0
     settle_s: float = 1.0
+    shadow: bool = False
+    fast_interval_s: float | None = 2.0
+    load_signals: LoadSignals | None = None
     clickhouse: SharedClickHouse | None = field(default=None, init=False)
     sink: SinkService | None = field(default=None, init=False)
     loop: PlannerLoop | None = field(default=None, init=False)
@@ -189,14 +196,15 @@ class PlannerServices:
         self.clickhouse = await open_shared_clickhouse(self.settings, self.data_dir)
         log.info("planner metrics store: %s", self.clickhouse.location)
         try:
-            if self.connector is not None:
+            if self.connector is not None and not self.shadow:
                 self.connector_service = ConnectorService(self.settings, catalog, self.connector)
                 await self.connector_service.start()
             self.sink = SinkService(self.settings, catalog, self.clickhouse, flush_interval_s=self.flush_interval_s)
             await self.sink.start()
             self.loop = PlannerLoop(self.settings, catalog, self.clickhouse, self.config, self.profile,
                                     self.current_replicas, model=self.model, settle_s=self.settle_s,
-                                    before_query=self.sink.flush)
+                                    before_query=self.sink.flush, shadow=self.shadow,
+                                    fast_interval_s=self.fast_interval_s, load_signals=self.load_signals)
             await self.loop.start()
         except Exception:
             await self.stop()

@@ -151,8 +151,11 @@ def replay(
     planner_ttft_statistic: _Hidden = None,
     planner_itl_statistic: _Hidden = None,
     planner_correction_smoothing: Annotated[Optional[float], typer.Option(hidden=True)] = None,
-    predictor: Annotated[str, typer.Option(help="planner: constant | arima | kalman | prophet")] = "constant",
+    predictor: Annotated[str, typer.Option(
+        help="planner: constant | arima | kalman | prophet | max_recent | quantile | backtest")] = "constant",
     adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
+    reactive_interval_s: Annotated[float, typer.Option(
+        min=0, help="planner: simulated seconds between fast reactive checks between decisions (0: none)")] = 1.0,
     worker_startup_s: Annotated[float, typer.Option(
         min=0, help="offline: simulated seconds a worker the planner starts needs before it takes requests")] = 0.0,
     scale_down_hold_intervals: Annotated[int, typer.Option(
@@ -262,7 +265,8 @@ def replay(
                                     adjustment_interval_s, scale_down_hold_intervals, min_workers, max_workers,
                                     workers, sla_target, profile_kind, ttft_statistic=ttft_statistic,
                                     itl_statistic=itl_statistic,
-                                    correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing)
+                                    correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing,
+                                    worker_startup_s=worker_startup_s)
             report = run_offline(trace, workers=workers, policy=settings.routing_policy, seed=seed, speedup=speedup,
                                  rate=rate, mocker_config=MockerConfig(
                                      speedup_ratio=speedup_ratio, kv_host_bytes=int(settings.kv_host_gb * (1 << 30)),
@@ -272,7 +276,8 @@ def replay(
                                  disagg=DisaggConfig.from_settings(settings),
                                  worker_startup_ms=worker_startup_s * 1000.0,
                                  kv_config=KvPolicyConfig.from_settings(settings),
-                                 shed=ShedConfig.from_settings(settings), **plan, **common)
+                                 shed=ShedConfig.from_settings(settings),
+                                 reactive_interval_s=reactive_interval_s or None, **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":

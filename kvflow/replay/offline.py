@@ -99,6 +99,7 @@ def run_offline(
     worker_startup_ms: float = 0.0,
     kv_config: KvPolicyConfig | None = None,
     shed: ShedConfig | None = None,
+    reactive_interval_s: float | None = 1.0,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -136,6 +137,8 @@ def run_offline(
             on the decode pool); beside prefill workers only, they are the
             decode targets.
         disagg: the rule's thresholds (default :class:`DisaggConfig`).
+        reactive_interval_s: with ``planner``: simulated seconds between the
+            planner's fast-path checks (None: interval ticks only).
         worker_startup_ms: simulated ms before a worker the planner starts
             takes requests (its replica-hours count from its start).
         kv_config: weights of the ``kv``/``approx`` cost (default: the
@@ -171,7 +174,8 @@ def run_offline(
         return _run_offline_planner(trace, config, planner, max_workers=max_workers, sla_target=sla_target,
                                     sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, profile=profile,
                                     profile_kind=profile_kind, progress=progress, json_path=json_path,
-                                    markdown_path=markdown_path, plot_dir=plot_dir)
+                                    markdown_path=markdown_path, plot_dir=plot_dir,
+                                    reactive_interval_s=reactive_interval_s)
     res = simulate(trace, config, kv_hook=kv_hook, progress=progress)
     report = build_report(
         res.records, res.itl_gaps_ms, mode="offline", trace=trace.name, trace_format=trace.format, policy=policy,
@@ -200,13 +204,14 @@ def run_offline(
 def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig, *, max_workers: int,
                          sla_target: float, sla_ttft_ms: float, sla_itl_ms: float, profile: Profile | None,
                          profile_kind: str, progress: bool, json_path: str | Path | None,
-                         markdown_path: str | Path | None, plot_dir: str | Path | None) -> Report:
+                         markdown_path: str | Path | None, plot_dir: str | Path | None,
+                         reactive_interval_s: float | None = 1.0) -> Report:
     """The planner branch of :func:`run_offline`: evaluate, then report on the planner run.
     ``wall_time_s`` covers profiling, the planner run and the static runs."""
     t_start = time.perf_counter()
     ev = evaluate_planner(trace, config, planner, max_replicas=max_workers, sla_ttft_ms=sla_ttft_ms,
                           sla_itl_ms=sla_itl_ms, sla_target=sla_target, profile=profile, profile_kind=profile_kind,
-                          progress=progress)
+                          progress=progress, fast_interval_s=reactive_interval_s)
     res, mocker = ev.planner.result, config.mocker or MockerConfig()
     report = build_report(
         res.records, res.itl_gaps_ms, mode="offline", trace=trace.name, trace_format=trace.format,

@@ -58,6 +58,7 @@ import numpy as np
 from kvflow.planner.core import PlannerConfig, PlannerMode, PlannerState, TickInput, initial_state, on_tick
 from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile, run_profile
+from kvflow.planner.reactive import LiveSignals, on_signals
 from kvflow.planner.queries import IntervalAggregates
 from kvflow.replay.report import (
     PlannerSummary, PlannerTickPoint, ReplicaStep, RequestRecord, StaticRun, sla_attainment,
@@ -153,34 +154,57 @@ class SlaPlannerHook:
     """A :class:`~kvflow.replay.simulator.PlannerHook` running the SLA planner
     core on the simulated clock (see the module docstring).
 
+    The simulator calls it every ``fast_interval_s`` (or every adjustment
+    interval without a fast path). Every ``adjustment_interval_s`` it runs
+    the interval tick (:func:`~kvflow.planner.core.on_tick`); in between, the
+    fast reactive path (:func:`~kvflow.planner.reactive.on_signals`) on
+    :meth:`signals`: arrivals of the last ``reactive_window_s`` seconds, the
+    router's queue and the engines' waiting requests and prompt tokens, the
+    oldest request still without a first token, and the p99 TTFT and ITL of
+    requests finished in that window.
+
+    The start-up time the planner plans with is measured as the live planner
+    measures it: from a scale-up to the new worker serving (``ready_ms -
+    start``), the mean of those seen so far (the configured
+    ``worker_startup_s`` until the first one is ready).
+
     Args:
         config: planner settings; must be aggregated mode (the simulator runs
             aggregated workers). ``adjustment_interval_s`` is the tick period.
         perf: the profile the planner sizes with.
+        fast_interval_s: seconds between fast-path checks; None: no fast path.
 
     Attributes:
-        ticks: one :class:`PlannerTickPoint` per tick, in order.
+        ticks: one :class:`PlannerTickPoint` per interval tick, in order.
         started_ms / drained_ms: worker id → simulated ms it was started /
             drained by the planner (initial workers are not in ``started_ms``).
+        reactive_ms: simulated ms of every fast-path scale-up.
         state: the planner core's state after the last tick.
 
     Raises:
-        ValueError: ``config.mode`` is not aggregated.
+        ValueError: ``config.mode`` is not aggregated, or ``fast_interval_s <= 0``.
     """
 
     role = WorkerRole.aggregated
 
-    def __init__(self, config: PlannerConfig, perf: PerfModel) -> None:
+    def __init__(self, config: PlannerConfig, perf: PerfModel, *, fast_interval_s: float | None = 1.0) -> None:
         if config.mode is not PlannerMode.aggregated:
             raise ValueError("offline replay simulates aggregated workers; use PlannerConfig(mode='aggregated')")
+        if fast_interval_s is not None and fast_interval_s <= 0:
+            raise ValueError("fast_interval_s must be > 0 (or None)")
         self.config = config
-        self.interval_ms = config.adjustment_interval_s * 1000.0
+        self.tick_ms = config.adjustment_interval_s * 1000.0
+        self.interval_ms = self.tick_ms if fast_interval_s is None else min(self.tick_ms, fast_interval_s * 1000.0)
         self.state: PlannerState = initial_state(config, perf)
         self.ticks: list[PlannerTickPoint] = []
         self.started_ms: dict[str, float] = {}
         self.drained_ms: dict[str, float] = {}
+        self.reactive_ms: list[float] = []
         self._window_start_ms = 0.0
+        self._next_tick_ms = self.tick_ms
         self._pending: list[RequestRecord] | None = None
+        self._arrivals: np.ndarray | None = None
+        self._ready_samples: list[int] = []  # ready workers at each fast check of the interval
 
     def _window(self, sim: Simulation, t1_ms: float) -> list[RequestRecord]:
         """Records that left the system since the last tick (each is returned once)."""
@@ -193,23 +217,90 @@ class SlaPlannerHook:
         self._pending = pending
         return done
 
+    def _serving(self, sim: Simulation) -> list[str]:
+        """Serving (not draining) worker ids of the pool, oldest first (ids are numbered in start order)."""
+        return sorted((w.worker_id for w in sim.workers.values() if w.role == self.role and not w.draining),
+                      key=lambda wid: (len(wid), wid))
+
+    def measured_startup_s(self, sim: Simulation, now_ms: float) -> float | None:
+        """Mean start-up time of the workers this hook started that serve by ``now_ms``, s (None: none yet)."""
+        seen = [sim.workers[w].ready_ms - t for w, t in self.started_ms.items() if sim.workers[w].ready_ms <= now_ms]
+        return sum(seen) / len(seen) / 1000.0 if seen else None
+
+    def _apply(self, sim: Simulation, serving: list[str], target: int, now_ms: float) -> None:
+        for _ in range(target - len(serving)):
+            self.started_ms[sim.add_worker(self.role)] = now_ms
+        for worker_id in reversed(serving[target:]):  # newest first
+            sim.drain_worker(worker_id)
+            self.drained_ms[worker_id] = now_ms
+
     def on_tick(self, now_ms: float, sim: Simulation) -> None:
+        """An interval tick when one is due, else a fast-path check."""
+        if now_ms + 1e-6 >= self._next_tick_ms:
+            self._next_tick_ms += self.tick_ms
+            self._interval_tick(now_ms, sim)
+        else:
+            self._fast_check(now_ms, sim)
+
+    def signals(self, now_ms: float, sim: Simulation) -> LiveSignals:
+        """The fast path's inputs at ``now_ms`` (see the class docstring)."""
+        window_ms = self.config.reactive_window_s * 1000.0
+        if self._arrivals is None:
+            self._arrivals = np.fromiter((r.arrival_ms for r in sim.requests), dtype=np.float64)
+        lo, hi = np.searchsorted(self._arrivals, [now_ms - window_ms, now_ms], side="right")
+        recent = sim.requests[lo:hi]
+        # the router's held requests count as waiting (their age shows in oldest_wait_ms)
+        waiting, tokens = (len(sim.core.queue) if sim.core.queue is not None else 0), 0
+        for w in sim.workers.values():
+            s = w.core.stats(w.pending)
+            waiting += s.waiting_requests
+            tokens += s.active_prefill_tokens
+        if self._pending is None:
+            self._pending = _sim_records(sim)
+        oldest, ttft, itl = 0.0, [], []
+        for r in self._pending:  # arrival order; finished ones leave at each interval tick
+            if r.arrival_ms > now_ms:
+                break
+            if r.first_token_ms is None and r.error is None:
+                oldest = max(oldest, now_ms - r.arrival_ms)
+            elif r.finish_ms is not None and r.finish_ms >= now_ms - window_ms and r.first_token_ms is not None:
+                ttft.append(r.first_token_ms - r.arrival_ms)
+                if r.output_tokens > 1 and r.last_token_ms is not None:
+                    itl.append((r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1))
+        serving = self._serving(sim)
+        ready = sum(1 for wid in serving if sim.workers[wid].ready_ms <= now_ms)
+        self._ready_samples.append(ready)
+        return LiveSignals(
+            now_ms=int(now_ms), window_s=self.config.reactive_window_s, arrivals=len(recent),
+            mean_isl=_mean([r.isl for r in recent]), mean_osl=_mean([r.osl for r in recent]),
+            waiting_requests=waiting, waiting_prefill_tokens=tokens, oldest_wait_ms=oldest,
+            p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1], finished_requests=len(ttft),
+            current_replicas={self.role: len(serving)}, ready_replicas={self.role: ready},
+            last_scale_up_ms=int(self.reactive_ms[-1]) if self.reactive_ms else None,
+            startup_s=self.measured_startup_s(sim, now_ms))
+
+    def _fast_check(self, now_ms: float, sim: Simulation) -> None:
+        state, effects = on_signals(self.state, self.signals(now_ms, sim))
+        self.state = state
+        if effects is None:
+            return
+        self.reactive_ms.append(now_ms)
+        self._apply(sim, self._serving(sim), effects.decisions[0].target_replicas, now_ms)
+
+    def _interval_tick(self, now_ms: float, sim: Simulation) -> None:
         """Observe the interval just ended, run the core, start or drain workers."""
         t0, t1 = self._window_start_ms, now_ms
         agg = interval_aggregates_from_records(self._window(sim, t1), t0, t1)
-        # oldest first: ids are numbered in start order
-        serving = sorted((w.worker_id for w in sim.workers.values() if w.role == self.role and not w.draining),
-                         key=lambda wid: (len(wid), wid))
+        serving = self._serving(sim)
         ready = sum(1 for wid in serving if sim.workers[wid].ready_ms <= now_ms)
+        samples = [*self._ready_samples, ready]  # mean over the interval: what actually served it
+        self._ready_samples = []
+        ready = sum(samples) / len(samples)
         self.state, effects = on_tick(self.state, TickInput(
             now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)},
-            serving_replicas={self.role: ready}))
+            serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms)))
         decision = effects.decisions[0]
-        for _ in range(decision.target_replicas - len(serving)):
-            self.started_ms[sim.add_worker(self.role)] = now_ms
-        for worker_id in reversed(serving[decision.target_replicas:]):  # newest first
-            sim.drain_worker(worker_id)
-            self.drained_ms[worker_id] = now_ms
+        self._apply(sim, serving, decision.target_replicas, now_ms)
         self._window_start_ms = t1
         hit = (agg.mean_cached_tokens / agg.mean_isl
                if agg.mean_cached_tokens is not None and agg.mean_isl else None)
@@ -294,15 +385,16 @@ class PlannerRun:
 
 def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfModel, *,
                      sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
-                     progress: bool = False) -> PlannerRun:
+                     progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerRun:
     """Simulate ``trace`` with the SLA planner; ``sim_config.workers`` is the
     starting pool. SLA attainment is judged at ``sla_ttft_ms``/``sla_itl_ms``
-    (default: the planner's own targets).
+    (default: the planner's own targets). ``fast_interval_s``: seconds between
+    fast-path checks (None: interval ticks only).
 
     Raises:
         ValueError: planner not in aggregated mode, or as :class:`Simulation`.
     """
-    hook = SlaPlannerHook(planner_config, perf)
+    hook = SlaPlannerHook(planner_config, perf, fast_interval_s=fast_interval_s)
     res = Simulation(trace, sim_config, planner=hook, progress=progress).run()
     life = worker_lifetimes(res.records, res.worker_ids, res.end_ms, hook.started_ms, hook.drained_ms)
     ttft = planner_config.ttft_ms if sla_ttft_ms is None else sla_ttft_ms
@@ -527,7 +619,7 @@ class PlannerEvaluation:
 def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, *,
                      max_replicas: int, sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
                      sla_target: float = 0.99, profile: Profile | None = None, profile_kind: str = "aggregated",
-                     progress: bool = False) -> PlannerEvaluation:
+                     progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerEvaluation:
     """Run ``trace`` with the SLA planner, then on the static-peak and static-mean pools.
 
     Args:
@@ -547,6 +639,7 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
         profile_kind: one of :data:`PROFILE_KINDS`; recorded in the summary's
             settings (``"given"`` when ``profile`` is passed).
         progress: progress bar for the planner run.
+        fast_interval_s: seconds between the planner's fast-path checks (None: none).
 
     Raises:
         ValueError: ``sla_target`` outside (0, 1], ``max_replicas < 1``, an
@@ -566,7 +659,7 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
     ttft = planner_config.ttft_ms if sla_ttft_ms is None else sla_ttft_ms
     itl = planner_config.itl_ms if sla_itl_ms is None else sla_itl_ms
     run = run_with_planner(trace, sim_config, planner_config, perf, sla_ttft_ms=ttft, sla_itl_ms=itl,
-                           progress=progress)
+                           progress=progress, fast_interval_s=fast_interval_s)
     runs: dict[int, StaticRun] = {}
     peak_n, peak_ok, runs = smallest_static_pool(trace, sim_config, ttft, itl, sla_target, max_replicas,
                                                  hint=min(run.max_replicas, max_replicas), runs=runs)

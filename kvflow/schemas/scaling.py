@@ -20,3 +20,7 @@ class ScalingCommand(Record):
     current_replicas: int = Field(ge=0, default=0)
     reason: str = ""
     ts_ms: int
+    shadow: bool = False
+    """An advisory decision (``kvflow planner --planner-mode shadow``): what the
+    planner would do; connectors do not act on it. Added without a schema
+    version bump: older readers ignore it, older planners leave it out (False)."""

@@ -20,6 +20,7 @@ A connector is anything with ``name`` and ``async apply(command) -> int``
   arrives while an older one is being applied (a scale-down waiting for a
   drain) replaces any command still queued for that pool; commands older
   (``ts_ms``) than the last one accepted for the pool are dropped.
+* Shadow decisions (``ScalingCommand.shadow``) are skipped: they are advice.
 * Malformed records go to the dead-letter topic; stale commands (older than
   ``max_age_s``) are skipped. Every connector name is its own consumer
   group and reads the whole topic, so with one connector per deployment
@@ -184,6 +185,8 @@ class ConnectorService:
         return False
 
     def _accept(self, command: ScalingCommand) -> bool:
+        if command.shadow:
+            return self._skip(command, "shadow decision (advisory)")
         if command.decision_id in self._seen:
             return self._skip(command, "decision already applied")
         if self.max_age_s is not None and now_ms() - command.ts_ms > self.max_age_s * 1000:

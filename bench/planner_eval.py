@@ -1,0 +1,205 @@
+"""The SLA planner on traffic it was not tuned on: stress traces and the public Azure trace.
+
+For each trace, the planner (one configuration, :func:`default_planner_config`,
+the same for every trace) runs in the offline simulator, then the same trace
+runs on static pools (:func:`kvflow.replay.planner_eval.evaluate_planner`):
+static peak (the smallest fixed pool meeting ``--sla-target``, searched up
+to ``--max-workers``) and static mean (the planner's mean, rounded up).
+
+Traces: the four shapes of :mod:`kvflow.replay.stress` (``step_burst``,
+``code``, ``diurnal``, ``isl_shift``; seeded by ``--seed``) and the Azure
+conversation trace (``--azure-end-s`` keeps its first part; 0 skips it).
+
+Engine: the mocker slowed down 4× (``--speedup-ratio 0.25``, as in the
+documented Azure planner run) so that the traces need several replicas.
+A worker the planner starts serves ``--worker-startup-s`` simulated seconds
+later; the planner measures that delay from the workers it started (until
+the first one is ready it assumes the configured ``worker_startup_s``).
+
+Target per trace: SLA attainment (TTFT <= 500 ms and per-request mean ITL
+<= 50 ms) >= 99% at <= 70% of static peak's replica-hours, where static
+peak meets 99%. The ×4 step burst's reaction time is the time from the
+burst's start to the first replica the planner added after it serving;
+its bound is one start-up time + 5 s.
+
+    python bench/planner_eval.py [--plots docs/planner] [--azure-end-s 3600]
+
+Last stdout line: one JSON object with a row per trace.
+
+Trace attribution: Azure/AzurePublicDataset, data/AzureLLMInferenceTrace_conv.csv, CC-BY-4.0 (Patel et al.,
+"Splitwise: Efficient Generative LLM Inference Using Phase Splitting", ISCA 2024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's kvflow, not an installed copy
+
+from kvflow.planner.core import PlannerConfig  # noqa: E402
+from kvflow.replay.planner_eval import PlannerEvaluation, evaluate_planner, profile_for  # noqa: E402
+from kvflow.replay.simulator import SimConfig  # noqa: E402
+from kvflow.replay.stress import SHAPES, StressSpec, burst_window_s, generate, write_azure_csv  # noqa: E402
+from kvflow.replay.traces import read_trace  # noqa: E402
+from kvflow.workers.engines.mocker_core import MockerConfig  # noqa: E402
+
+SLA_TTFT_MS, SLA_ITL_MS = 500.0, 50.0
+
+
+def default_trace() -> Path:
+    """The repo copy of the Azure conversation trace if present, else the shared one."""
+    local = ROOT / "examples" / "traces" / "azure2023_conv.csv"
+    return local if local.exists() else ROOT.parent / "shared" / "traces" / "azure2023_conv.csv"
+
+
+def default_planner_config(max_workers: int, worker_startup_s: float) -> PlannerConfig:
+    """The one planner configuration every trace runs with (aggregated mode)."""
+    return PlannerConfig(
+        ttft_ms=SLA_TTFT_MS, itl_ms=SLA_ITL_MS, adjustment_interval_s=30.0, mode="aggregated",
+        predictor="backtest", ttft_statistic="mean", itl_statistic="p99", correction_smoothing=0.5,
+        min_aggregated_replicas=1, max_gpus=max_workers, scale_down_hold_intervals=3, correction_max=1.6,
+        worker_startup_s=worker_startup_s)
+
+
+def reaction_s(ev: PlannerEvaluation, burst_start_s: float) -> float | None:
+    """Seconds from ``burst_start_s`` until the first worker the planner started after it serves."""
+    starts = [t for t in ev.planner.hook.started_ms.values() if t >= burst_start_s * 1000.0]
+    if not starts:
+        return None
+    return (min(starts) + ev.summary.settings["worker_startup_ms"]) / 1000.0 - burst_start_s
+
+
+def plot(name: str, ev: PlannerEvaluation, out_dir: Path, window_s: float = 30.0) -> str:
+    """Workers over time against the arrival rate, and TTFT and per-request ITL p99 per window
+    of arrivals; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = ev.planner.result.records
+    end_s = ev.planner.result.end_ms / 1000.0
+    edges = np.arange(0.0, end_s + window_s, window_s)
+    arrivals = np.array([r.arrival_ms / 1000.0 for r in recs])
+    rate = np.histogram(arrivals, bins=edges)[0] / window_s
+    p99, itl99 = [], []
+    for a, b in zip(edges[:-1], edges[1:]):
+        window = [r for r in recs if a <= r.arrival_ms / 1000.0 < b and r.first_token_ms is not None]
+        ttft = [r.first_token_ms - r.arrival_ms for r in window]
+        itl = [(r.last_token_ms - r.first_token_ms) / (r.output_tokens - 1) for r in window
+               if r.output_tokens > 1 and r.last_token_ms is not None]
+        p99.append(np.percentile(ttft, 99) if ttft else np.nan)
+        itl99.append(np.percentile(itl, 99) if itl else np.nan)
+    steps = ev.summary.replicas
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    ax1.step([s.t_s for s in steps], [s.live for s in steps], where="post", label="planner: live workers")
+    ax1.step([s.t_s for s in steps], [s.serving for s in steps], where="post", ls=":", label="serving")
+    ax1.axhline(ev.summary.static_peak_replicas, color="grey", ls="--", label="static peak")
+    ax1.set_ylabel("workers")
+    axr = ax1.twinx()
+    axr.plot(edges[:-1] + window_s / 2, rate, color="tab:orange", alpha=0.7, label="arrivals/s")
+    axr.set_ylabel("requests/s")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_title(f"{name}: SLA planner")
+    mid = edges[:-1] + window_s / 2
+    ax2.plot(mid, p99, marker=".", label="TTFT p99")
+    ax2.axhline(SLA_TTFT_MS, color="tab:blue", ls="--", lw=0.8, label="TTFT SLA")
+    ax2.set_yscale("log")
+    ax2.set_ylabel(f"TTFT p99 per {window_s:g} s (ms)")
+    ax2.set_xlabel("arrival time (s)")
+    ax3 = ax2.twinx()
+    ax3.plot(mid, itl99, marker=".", color="tab:red", label="per-request ITL p99")
+    ax3.axhline(SLA_ITL_MS, color="tab:red", ls="--", lw=0.8, label="ITL SLA")
+    ax3.set_ylabel("ITL p99 (ms)")
+    ax2.legend(loc="upper left", fontsize=8)
+    ax3.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"planner_{name}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def main() -> None:
+    """Parse arguments, run every trace, print a table to stderr and one JSON line to stdout."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0, help="stress-trace seed")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--azure", type=Path, default=default_trace())
+    ap.add_argument("--azure-end-s", type=float, default=3600.0, help="keep the Azure trace's first S s (0: skip)")
+    ap.add_argument("--speedup-ratio", type=float, default=0.25)
+    ap.add_argument("--worker-startup-s", type=float, default=30.0)
+    ap.add_argument("--max-workers", type=int, default=32)
+    ap.add_argument("--initial-workers", type=int, default=2)
+    ap.add_argument("--sla-target", type=float, default=0.99)
+    ap.add_argument("--no-fast-path", action="store_true", help="interval ticks only (for comparison)")
+    ap.add_argument("--plots", type=Path, default=None, help="write one PNG per trace here")
+    args = ap.parse_args()
+
+    mocker = MockerConfig(speedup_ratio=args.speedup_ratio)
+    # One profile for every trace: aggregated closed loop at a fixed 256-token OSL (no trace's own mix).
+    profile = profile_for(mocker, "aggregated", osl=256.0)
+    cfg = default_planner_config(args.max_workers, args.worker_startup_s)
+    spec = StressSpec()
+    traces: list[tuple[str, Path, float | None]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="kvflow-stress-"))
+    for shape in [s for s in args.shapes.split(",") if s]:
+        path = write_azure_csv(generate(shape, spec, args.seed), tmp / f"stress_{shape}.csv")
+        traces.append((shape, path, burst_window_s(spec, args.seed)[0] if shape == "step_burst" else None))
+    if args.azure_end_s > 0:
+        traces.append(("azure_conv", args.azure, None))
+
+    rows = []
+    for name, path, burst_start in traces:
+        t0 = time.perf_counter()
+        trace = read_trace(path, end_ms=args.azure_end_s * 1000 if name == "azure_conv" else None)
+        sim = SimConfig(workers=args.initial_workers, policy="round_robin", mocker=mocker,
+                        worker_startup_ms=args.worker_startup_s * 1000.0)
+        ev = evaluate_planner(trace, sim, cfg, max_replicas=args.max_workers, sla_ttft_ms=SLA_TTFT_MS,
+                              sla_itl_ms=SLA_ITL_MS, sla_target=args.sla_target, profile=profile,
+                              fast_interval_s=None if args.no_fast_path else 1.0)
+        s = ev.summary
+        ttft_ok = sum(r.ok and r.first_token_ms is not None and r.first_token_ms - r.arrival_ms <= SLA_TTFT_MS
+                      for r in ev.planner.result.records) / max(1, len(trace.requests))
+        row = {
+            "trace": name, "requests": len(trace.requests), "planner_attainment": round(ev.planner.sla_attainment, 4),
+            "planner_ttft_attainment": round(ttft_ok, 4),
+            "planner_replica_hours": round(ev.planner.replica_hours, 3),
+            "planner_mean_workers": round(s.planner_mean_replicas, 2), "planner_max_workers": s.planner_max_replicas,
+            "static_peak_workers": s.static_peak_replicas, "static_peak_meets_sla": s.static_peak_meets_target,
+            "static_peak_attainment": round(ev.static_peak.sla_attainment, 4),
+            "static_peak_replica_hours": round(ev.static_peak.replica_hours, 3),
+            "static_mean_workers": s.static_mean_replicas,
+            "static_mean_attainment": round(ev.static_mean.sla_attainment, 4),
+            "static_mean_replica_hours": round(ev.static_mean.replica_hours, 3),
+            "replica_hours_vs_static_peak": round(s.replica_hours_vs_static_peak, 4),
+            "reactive_scale_ups": len(ev.planner.hook.reactive_ms),
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+        row["meets_target"] = bool(s.static_peak_meets_target and ev.planner.sla_attainment >= args.sla_target
+                                   and s.replica_hours_vs_static_peak <= 0.70)
+        if burst_start is not None:
+            r = reaction_s(ev, burst_start)
+            row["burst_reaction_s"] = None if r is None else round(r, 1)
+            row["burst_reaction_bound_s"] = args.worker_startup_s + 5.0
+        if args.plots is not None:
+            row["plot"] = plot(name, ev, args.plots)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(json.dumps({"speedup_ratio": args.speedup_ratio, "worker_startup_s": args.worker_startup_s,
+                      "max_workers": args.max_workers, "seed": args.seed, "fast_path": not args.no_fast_path,
+                      "sla": {"ttft_ms": SLA_TTFT_MS, "itl_ms": SLA_ITL_MS, "target": args.sla_target},
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

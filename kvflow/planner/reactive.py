@@ -1,0 +1,172 @@
+"""The planner's fast reactive path, between interval ticks. This module does zero I/O.
+
+The interval path (:func:`kvflow.planner.core.on_tick`) sizes from requests
+that *finished* in the last interval: a burst shows there one interval late,
+and a new replica then takes its start-up time on top. The fast path runs
+every few seconds on seconds-fresh signals (:class:`LiveSignals`) and only
+ever scales **up**:
+
+1. **Demand.** The arrival rate and mean ISL/OSL of the last
+   ``reactive_window_s`` seconds, sized exactly as the interval path sizes
+   its forecast (:func:`~kvflow.planner.core.pool_needs`, with the current
+   correction factors).
+2. **Pressure.** Any of: a request has waited longer than the TTFT target
+   without its first token; the waiting prefill tokens exceed what the
+   serving replicas compute within one TTFT target at the profile's peak
+   prefill throughput; the window's p99 TTFT or p99 ITL is above target
+   (only from windows of at least :data:`MIN_TAIL_REQUESTS` finished
+   requests: over fewer, the p99 is nearly the maximum, and one slow
+   request would add a replica).
+3. **Decide.** Scale up to the demand need when it exceeds the current
+   target and there is pressure, or when it reaches ``reactive_jump`` times
+   the target (a step in arrivals shows before any queue builds).
+   With pressure but no demand excess (longer prompts than the profile
+   assumed, a slow replica), add one replica, at most once per start-up time.
+
+Scaling down stays with the interval path: its hold
+(``scale_down_hold_intervals``) restarts whenever the fast path scales up,
+and drained replicas finish their requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from kvflow.planner.core import (
+    PlannerEffects,
+    PlannerState,
+    PoolDecision,
+    Prediction,
+    fit_budget,
+)
+from kvflow.planner.core import pool_needs as _pool_needs
+from kvflow.schemas.workers import WorkerRole
+
+__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS"]
+
+MIN_TAIL_REQUESTS = 50
+"""Finished requests a window needs before its p99 TTFT/ITL count as pressure."""
+
+
+@dataclass(frozen=True)
+class LiveSignals:
+    """Seconds-fresh load signals (one fast-path check).
+
+    Attributes:
+        now_ms: epoch (or simulated) ms.
+        window_s: the window the arrival figures cover, s.
+        arrivals: requests that arrived in the window.
+        mean_isl / mean_osl: their mean prompt / requested output tokens
+            (None without arrivals).
+        waiting_requests: requests accepted and not yet in an engine step
+            (router queue plus engines' waiting queues).
+        waiting_prefill_tokens: prompt tokens accepted and not yet computed.
+        oldest_wait_ms: age of the oldest request still without its first token, ms.
+        p99_ttft_ms / p99_itl_ms: of requests finished in the window (None: none finished).
+        finished_requests: requests finished in the window.
+        current_replicas: replicas per pool, including starting ones.
+        ready_replicas: replicas per pool that serve now.
+        last_scale_up_ms: when the fast path last scaled up (None: never),
+            so a pressure-only step waits for its replica to start.
+        startup_s: measured start-up time (None: the configured one).
+    """
+
+    now_ms: int
+    window_s: float
+    arrivals: int
+    mean_isl: float | None = None
+    mean_osl: float | None = None
+    waiting_requests: int = 0
+    waiting_prefill_tokens: int = 0
+    oldest_wait_ms: float = 0.0
+    p99_ttft_ms: float | None = None
+    p99_itl_ms: float | None = None
+    finished_requests: int = 0
+    current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
+    ready_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
+    last_scale_up_ms: int | None = None
+    startup_s: float | None = None
+
+
+def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | None:
+    """Why the pool is behind now, or None."""
+    cfg, perf = state.config, state.perf
+    if sig.oldest_wait_ms > cfg.ttft_ms:
+        return f"a request waits {sig.oldest_wait_ms:.0f} ms > TTFT target {cfg.ttft_ms:g}"
+    tail = sig.finished_requests >= MIN_TAIL_REQUESTS
+    if tail and sig.p99_ttft_ms is not None and sig.p99_ttft_ms > cfg.ttft_ms:
+        return f"p99 TTFT {sig.p99_ttft_ms:.0f} ms > {cfg.ttft_ms:g}"
+    if tail and sig.p99_itl_ms is not None and sig.p99_itl_ms > cfg.itl_ms:
+        return f"p99 ITL {sig.p99_itl_ms:.1f} ms > {cfg.itl_ms:g}"
+    ready = sig.ready_replicas.get(pool, 0)
+    if sig.waiting_prefill_tokens and sig.mean_isl:
+        per_replica = perf.prefill.max_throughput(max(1.0, sig.mean_isl))  # tokens/s
+        budget = per_replica * max(1, ready) * cfg.ttft_ms / 1000.0
+        if sig.waiting_prefill_tokens > budget:
+            return f"{sig.waiting_prefill_tokens} prompt tokens wait > {budget:.0f} computable within the TTFT target"
+    return None
+
+
+def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, PlannerEffects | None]:
+    """One fast-path check (see the module docstring).
+
+    Returns:
+        The new state (targets raised, scale-down runs reset) and the effects
+        when some pool scales up; ``(state, None)`` otherwise. ``state`` is
+        not mutated.
+
+    Raises:
+        ValueError: the profile has no feasible point at the window's lengths.
+    """
+    cfg = state.config
+    if sig.arrivals > 0 and sig.mean_isl and sig.mean_osl and sig.window_s > 0:
+        pred = Prediction(request_rate_per_s=sig.arrivals / sig.window_s, isl=sig.mean_isl, osl=sig.mean_osl,
+                          kv_hit_rate=state.kv_hit_rate)
+        needs = _pool_needs(state, pred)
+    else:
+        pred = Prediction(0.0, sig.mean_isl, sig.mean_osl, state.kv_hit_rate)
+        needs = {pool: (0.0, "no recent arrivals") for pool in cfg.pools}
+    startup_ms = 1000.0 * (cfg.worker_startup_s if sig.startup_s is None else sig.startup_s)
+    raised: dict[WorkerRole, int] = {}
+    notes: dict[WorkerRole, str] = {}
+    for pool in cfg.pools:
+        current = int(sig.current_replicas.get(pool, 0))
+        target = max(current, state.targets.get(pool, current))
+        need = max(cfg.min_replicas(pool), math.ceil(needs[pool][0] - 1e-9))
+        why = _pressure(state, sig, pool)
+        if need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
+            raised[pool] = need
+            notes[pool] = (f"reactive scale up {target} -> {need}: {sig.arrivals} arrivals in "
+                           f"{sig.window_s:g} s need {needs[pool][0]:.2f}"
+                           + (f"; {why}" if why else f" >= {cfg.reactive_jump:g} x {target}")
+                           + f" ({needs[pool][1]})")
+        elif why is not None and need <= target and (
+                sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= max(startup_ms, 1000.0 *
+                                                                                         sig.window_s)):
+            raised[pool] = target + 1
+            notes[pool] = f"reactive scale up {target} -> {target + 1}: {why} (demand needs {needs[pool][0]:.2f})"
+    if not raised:
+        return state, None
+    wanted = {pool: raised.get(pool, max(int(sig.current_replicas.get(pool, 0)),
+                                         state.targets.get(pool, int(sig.current_replicas.get(pool, 0)))))
+              for pool in cfg.pools}
+    targets = fit_budget(cfg, wanted)
+    decisions = []
+    for pool in cfg.pools:
+        current = int(sig.current_replicas.get(pool, 0))
+        reason = f"{pool.value}: {notes.get(pool, 'hold')}"
+        if targets[pool] != wanted[pool]:
+            reason += f"; GPU budget {cfg.max_gpus} caps {wanted[pool]} -> {targets[pool]}"
+        decisions.append(PoolDecision(pool=pool, current_replicas=current, needed_replicas=wanted[pool],
+                                      target_replicas=targets[pool], demand_tokens_per_s=0.0, point=None,
+                                      reason=reason))
+    if all(not d.changed for d in decisions):
+        return state, None
+    runs = {pool: () for pool in cfg.pools}
+    new_state = replace(state, targets={**state.targets, **targets}, down_runs=runs)
+    effects = PlannerEffects(now_ms=sig.now_ms, next_tick_ms=sig.now_ms + int(sig.window_s * 1000),
+                             decisions=tuple(decisions), prediction=pred,
+                             prefill_correction=state.prefill_correction, decode_correction=state.decode_correction)
+    return new_state, effects

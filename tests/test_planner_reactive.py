@@ -1,0 +1,96 @@
+"""The planner's fast reactive path, its lead time, and the live start-up measurement,
+on the hand-made profile of test_planner_core (aggregated: one replica serves 8 req/s of
+1000-token prompts and 200-token outputs at ITL <= 50 ms)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvflow.planner.core import PlannerConfig, TickInput, TrafficObservation, initial_state, on_tick
+from kvflow.planner.loop import LeadTimeTracker
+from kvflow.planner.reactive import LiveSignals, on_signals
+from kvflow.schemas import ScalingCommand
+from kvflow.schemas.workers import WorkerRole
+from tests.test_planner_core import perf  # noqa: F401 - the shared profile fixture
+
+A = WorkerRole.aggregated
+
+
+def state_at(perf, target: int, **kw):  # noqa: F811
+    cfg = PlannerConfig(ttft_ms=300, itl_ms=50, adjustment_interval_s=30, mode="aggregated", max_gpus=32,
+                        worker_startup_s=30, **kw)
+    return dataclasses.replace(initial_state(cfg, perf), targets={A: target}, down_runs={A: (1,)})
+
+
+def signals(rate: float, current: int, **kw) -> LiveSignals:
+    window = 5.0
+    return LiveSignals(now_ms=100_000, window_s=window, arrivals=round(rate * window), mean_isl=1000, mean_osl=200,
+                       current_replicas={A: current}, ready_replicas={A: current}, **kw)
+
+
+def test_a_step_in_arrivals_scales_up_at_once_without_waiting_for_a_queue(perf):  # noqa: F811
+    state = state_at(perf, 2)
+    new, effects = on_signals(state, signals(64.0, 2))  # x4 of what 2 replicas serve
+    assert effects is not None and effects.target(A) == 8
+    assert new.targets[A] == 8 and new.down_runs[A] == ()  # the interval path's scale-down hold restarts
+    assert "reactive scale up 2 -> 8" in effects.decisions[0].reason
+    assert state.targets[A] == 2  # the input state is not mutated
+
+
+def test_noise_alone_does_not_scale_but_noise_with_a_backlog_does(perf):  # noqa: F811
+    state = state_at(perf, 4)
+    assert on_signals(state, signals(40.0, 4)) == (state, None)  # needs 5 < 1.5 x 4: Poisson noise
+    _, effects = on_signals(state, signals(40.0, 4, oldest_wait_ms=900.0))  # a request waits past TTFT
+    assert effects.target(A) == 5 and "waits 900 ms" in effects.decisions[0].reason
+
+
+def test_pressure_without_more_demand_adds_one_replica_per_start_up_time(perf):  # noqa: F811
+    state = state_at(perf, 4)
+    _, effects = on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60))
+    assert effects.target(A) == 5 and "p99 ITL 80.0 ms" in effects.decisions[0].reason
+    # over a few requests the p99 is one slow request: no pressure
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=20))[1] is None
+    # the last step was 10 s ago, its replica still starting (30 s): wait for it
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
+                                     last_scale_up_ms=90_000))[1] is None
+    assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
+                                     last_scale_up_ms=60_000))[1].target(A) == 5
+
+
+def test_the_fast_path_never_scales_down_and_respects_the_budget(perf):  # noqa: F811
+    state = state_at(perf, 6)
+    assert on_signals(state, signals(1.0, 6))[1] is None
+    capped = dataclasses.replace(state, config=dataclasses.replace(state.config, max_gpus=10))
+    assert on_signals(capped, signals(200.0, 6))[1].target(A) == 10
+
+
+def test_lead_time_sizes_for_the_load_when_a_new_replica_is_ready(perf):  # noqa: F811
+    def rate_after(startup_s: float) -> float:
+        cfg = PlannerConfig(ttft_ms=300, itl_ms=50, adjustment_interval_s=30, mode="aggregated", max_gpus=64,
+                            predictor="kalman", worker_startup_s=startup_s)
+        state = initial_state(cfg, perf)
+        for i, rate in enumerate([8, 12, 16, 20, 24, 28]):  # +4 req/s per interval
+            obs = TrafficObservation(duration_s=30, num_requests=rate * 30, mean_isl=1000, mean_osl=200)
+            state, effects = on_tick(state, TickInput(now_ms=i * 30_000, traffic=obs, current_replicas={A: 4}))
+        return effects.prediction.request_rate_per_s
+
+    assert rate_after(0) == pytest.approx(32, abs=1.0)  # one interval ahead
+    assert rate_after(60) == pytest.approx(40, abs=1.5)  # start-up 2 intervals: 3 intervals ahead
+
+
+def test_lead_time_tracker_measures_command_to_serving():
+    t = LeadTimeTracker()
+    up = ScalingCommand(decision_id="d1", pool=A, target_replicas=4, current_replicas=2, ts_ms=10_000)
+    t.on_command(up)
+    t.on_count({A: 3}, 20_000)
+    assert t.startup_s is None  # not there yet
+    t.on_count({A: 4}, 52_000)
+    assert t.startup_s == pytest.approx(42.0)
+    t.on_command(ScalingCommand(decision_id="d2", pool=A, target_replicas=6, current_replicas=4, ts_ms=60_000,
+                                shadow=True))
+    t.on_count({A: 6}, 70_000)  # shadow decisions start nothing, so they measure nothing
+    t.on_command(ScalingCommand(decision_id="d3", pool=A, target_replicas=2, current_replicas=4, ts_ms=80_000))
+    t.on_count({A: 2}, 81_000)  # nor do scale-downs
+    assert t.samples_s == [42.0]
