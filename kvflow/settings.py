@@ -327,8 +327,11 @@ class Settings(BaseSettings):
     shed_queue_capacity: int = Field(default=256, ge=1)
     """Most requests the router holds in ``queue`` mode. Defaults to 256."""
 
-    shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
-    """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""
+    shed_queue_order: Literal["fcfs", "sjf", "priority"] = "fcfs"
+    """Release order of held requests: arrival, shortest prompt first, or
+    ``priority`` (priority class, then per-tenant fair share, then earliest
+    deadline; a full queue sheds the lowest class first, see
+    :mod:`kvflow.router.fair_queue`). Defaults to ``fcfs``."""
 
     @field_validator("api_keys", "media_allow_networks", "media_allowed_roots", mode="before")
     @classmethod

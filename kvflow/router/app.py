@@ -401,6 +401,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             await send_error(request.request_id, request.reply_to, request.attempt, error.message,
                              status=error.status, code=error.code, retry_after_s=error.retry_after_s)
         await publish_decision(decision)
+        for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
+            await carry_out_decision(shed_one)
 
     def decision_lost(ack: asyncio.Future) -> None:
         if not ack.cancelled() and ack.exception() is not None:
@@ -425,6 +427,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 prefill_reason=plan.reason if plan is not None and plan.reason != "no_prefill_workers" else None,
                 candidates=list(chosen.candidates) if chosen is not None else [],
                 prefill_candidates=list(prefill.candidates) if prefill is not None else [],
+                priority=arrival.priority, tenant=arrival.tenant or None, session_hit=decision.session_hit,
             )
             ack = await app.producer.send(catalog.routing_decisions.name, arrival.request_id.encode(),
                                           encode(record), None, None, None)

@@ -51,6 +51,14 @@ per serving worker per tick, since the busy test reads heartbeat figures
 that lag the requests just released; it drops those whose deadline passed
 (504) and rejects those whose model no worker serves any more (503,
 so they do not block the queue's head).
+
+In ``priority`` queue order (:mod:`kvflow.router.fair_queue`) the queue
+serves by priority class, then per-tenant fair share, then earliest
+deadline; an arrival of a higher class than every held request goes to a
+free worker at once instead of queueing behind them, and one arriving at a
+full queue may displace a held request of a lower class (or of a tenant
+holding more), which is shed (:attr:`Decision.displaced`). Requests with a
+session id prefer their session's last worker (:mod:`kvflow.router.affinity`).
 """
 
 from __future__ import annotations
@@ -59,12 +67,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+from kvflow.router.affinity import DEFAULT_SESSION_MARGIN, SessionTable, prefer_session_worker
 from kvflow.router.disagg import DisaggConfig, Placement, count_placement, decode_role, place
+from kvflow.router.fair_queue import FairRequestQueue
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import HASH_FREE_POLICIES, POLICIES, NoWorkerAvailable, RouteRequest
-from kvflow.router.shedding import BoundedRequestQueue, ShedAction, ShedConfig, ShedMode, shed
+from kvflow.router.shedding import (
+    BoundedRequestQueue,
+    QueueFull,
+    QueueOrder,
+    ShedAction,
+    ShedConfig,
+    ShedMode,
+    is_busy,
+    shed,
+)
 from kvflow.router.table import RoutingTable, WorkerView, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     DecisionOutcome,
@@ -114,6 +133,13 @@ class Arrival:
         payload: what the adapter forwards and answers (the
             :class:`~kvflow.schemas.InferenceRequest` live, the trace request
             offline); the core never reads it.
+        priority: the request's class; higher is served first by the
+            ``priority`` queue order, and a full queue sheds the lowest class
+            first (:mod:`kvflow.router.fair_queue`).
+        tenant: who sent it (the bridge: a digest of the API key); the
+            ``priority`` queue order shares releases fairly among tenants.
+        session_id: requests of one session prefer the same worker
+            (:mod:`kvflow.router.affinity`); None = no session.
     """
 
     request_id: str
@@ -125,6 +151,9 @@ class Arrival:
     created_ms: int = 0
     deadline_ms: int | None = None
     payload: Any = None
+    priority: int = 0
+    tenant: str = ""
+    session_id: str | None = None
 
     @classmethod
     def of(cls, request: InferenceRequest) -> "Arrival":
@@ -133,7 +162,8 @@ class Arrival:
         :meth:`~kvflow.schemas.InferenceRequest.hash_ids`)."""
         tokens = request.hash_ids()
         return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
-                   request.lora_name, request.created_ms, request.deadline_ms, request)
+                   request.lora_name, request.created_ms, request.deadline_ms, request, request.priority,
+                   request.tenant or "", request.session_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +199,10 @@ class Decision:
         error: shed and rejected: the answer the caller gets.
         expired: workers expired (TTL) just before deciding; each is also a
             :class:`WorkerExpired` to carry out.
+        displaced: held requests shed (503) to make room for this one in a
+            full ``priority`` queue; each is a ``shed`` decision to carry out.
+        session_hit: routed only: the request went to its session's worker
+            instead of the policy's choice (:mod:`kvflow.router.affinity`).
     """
 
     outcome: DecisionOutcome
@@ -181,6 +215,8 @@ class Decision:
     reason: str | None = None
     error: ErrorReply | None = None
     expired: tuple[str, ...] = ()
+    displaced: tuple["Decision", ...] = ()
+    session_hit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,11 +245,15 @@ Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
 """What :meth:`RouterCore.tick` and :meth:`RouterCore.on_request_cancelled` return, in order."""
 
 COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
-            "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired")
+            "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired", "displaced",
+            "jumped", "session_hits")
 """The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
 includes ``queue_timeouts``, held requests dropped at their deadline), held requests
 ``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
-(``kv_mismatch``), inflight records folded, and workers expired."""
+(``kv_mismatch``), inflight records folded, and workers expired; in ``priority`` queue order,
+held requests ``displaced`` by a higher-ranked arrival (also in ``shed``) and arrivals that
+``jumped`` a queue of lower classes; routed requests sent to their session's worker
+(``session_hits``)."""
 
 
 class RouterCore:
@@ -228,10 +268,17 @@ class RouterCore:
         block_size: tokens per KV block of the workers; with an event-fed
             policy (``kv``) it creates the KV index at once (needed by
             :meth:`on_kv_events`); None = on the first KV batch, at its size.
+        session_margin: session affinity's relative margin
+            (:func:`~kvflow.router.affinity.prefer_session_worker`); None
+            turns affinity off. Defaults to
+            :data:`~kvflow.router.affinity.DEFAULT_SESSION_MARGIN`.
 
     Attributes:
         table: the routing table (workers, in-flight load, KV index).
-        queue: the held requests (:class:`Arrival` items), None unless ``queue`` mode.
+        queue: the held requests (:class:`Arrival` items), None unless ``queue`` mode: a
+            :class:`~kvflow.router.fair_queue.FairRequestQueue` in ``priority`` order, else a
+            :class:`~kvflow.router.shedding.BoundedRequestQueue`.
+        sessions: session id → worker of its latest routed request.
         counters: event counts by name (:data:`COUNTERS`); adapters may add their own keys.
 
     Raises:
@@ -239,7 +286,8 @@ class RouterCore:
     """
 
     def __init__(self, policy: str, *, kv: KvPolicyConfig | None = None, shed: ShedConfig | None = None,
-                 disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None) -> None:
+                 disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None,
+                 session_margin: float | None = DEFAULT_SESSION_MARGIN) -> None:
         if policy not in POLICIES:
             raise KeyError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}")
         self.policy = policy
@@ -252,8 +300,13 @@ class RouterCore:
         if self.uses_events and block_size is not None:
             self.table.kv_index = KvIndex(block_size)
         cfg = self.shed_config
-        self.queue: BoundedRequestQueue[Arrival] | None = (
-            BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order) if cfg.mode is ShedMode.queue else None)
+        self.queue: BoundedRequestQueue[Arrival] | FairRequestQueue[Arrival] | None = None
+        self.prioritized = cfg.queue_order is QueueOrder.priority
+        if cfg.mode is ShedMode.queue:
+            self.queue = (FairRequestQueue(cfg.queue_capacity) if self.prioritized
+                          else BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order))
+        self.session_margin = session_margin
+        self.sessions = SessionTable()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._started_ms: dict[str, int] = {}
 
@@ -360,11 +413,33 @@ class RouterCore:
         action = verdict.action
         if action is ShedAction.route or not candidates:
             return self._dispatch(arrival, role, candidates, verdict.candidates, now_ms, expired)
+        if self.prioritized and action is ShedAction.queue and queue and arrival.priority > queue.peek_priority():
+            # Held requests are all of lower classes: a free worker takes this one at once.
+            free = [w for w in candidates if not is_busy(w, self.shed_config)]
+            if free:
+                self.counters["jumped"] += 1
+                return self._dispatch(arrival, role, candidates, free, now_ms, expired)
         reason = f"all workers are busy ({verdict.reason})"
         if action is ShedAction.queue:  # shed() queues only while the queue has room
-            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms)
+            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms, priority=arrival.priority,
+                       tenant=arrival.tenant)
             self.counters["queued"] += 1
             return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired)
+        if self.prioritized and queue:
+            try:
+                victim = queue.displace(arrival, arrival.isl, arrival.deadline_ms, priority=arrival.priority,
+                                        tenant=arrival.tenant)
+            except QueueFull:
+                victim = None
+            else:
+                self.counters["queued"] += 1
+                self.counters["shed"] += 1
+                self.counters["displaced"] += 1
+                why = "the queue is full of requests that rank higher"
+                out = Decision(DecisionOutcome.shed, victim, decode_role(table, victim.model), now_ms, reason=why,
+                               error=ErrorReply(503, "overloaded", why, verdict.retry_after_s))
+                return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired,
+                                displaced=(out,))
         self.counters["shed"] += 1
         return Decision(DecisionOutcome.shed, arrival, role, now_ms, reason=reason, expired=expired,
                         error=ErrorReply(503, "overloaded", reason, verdict.retry_after_s))
@@ -413,6 +488,7 @@ class RouterCore:
         index = self.table.kv_index
         for worker_id in gone:
             self._started_ms.pop(worker_id, None)
+            self.sessions.forget_worker(worker_id)
             if isinstance(index, KvIndex):
                 index.remove_worker(worker_id)
         return tuple(gone)
@@ -441,13 +517,24 @@ class RouterCore:
         finally:
             table.busy = frozenset()
         decision = placement.decision.model_copy(update={"router_id": self.router_id, "decided_ms": now_ms})
+        session_hit = False
+        sid = arrival.session_id
+        if sid is not None and self.session_margin is not None:
+            sticky = self.sessions.get(sid)
+            if sticky is not None and not placement.plan.remote:
+                moved = prefer_session_worker(decision, sticky, self.session_margin, [w.worker_id for w in free])
+                if moved is not None:
+                    decision, session_hit = moved, True
+                    self.counters["session_hits"] += 1
+            self.sessions.note(sid, decision.worker_id)
         placement = Placement(decision, placement.plan)
         count_placement(table, placement, arrival.request_id, arrival.isl, now_ms)
         workers = table.workers
         decode = workers[decision.worker_id]
         target = workers[decision.prefill_worker_id] if placement.plan.remote else decode
         self.counters["routed"] += 1
-        return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired)
+        return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired,
+                        session_hit=session_hit)
 
     def _release(self, now_ms: int, effects: list[Effect]) -> None:
         """Shed held requests past their deadline, then release the others in queue order."""

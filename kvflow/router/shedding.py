@@ -16,8 +16,11 @@ as in Dynamo's request rejection (``--active-decode-blocks-threshold``,
   router answers HTTP 503 with a ``Retry-After`` of :func:`retry_after_s`
   seconds;
 * every candidate is busy and the mode is ``queue`` → ``queue`` in a
-  :class:`BoundedRequestQueue` (``fcfs`` or ``sjf`` = shortest ISL first),
-  released one at a time while some worker is not busy; a full queue rejects.
+  :class:`BoundedRequestQueue` (``fcfs`` or ``sjf`` = shortest ISL first)
+  or, in ``priority`` order, a :class:`~kvflow.router.fair_queue.FairRequestQueue`
+  (priority class, then per-tenant fair share, then earliest deadline),
+  released one at a time while some worker is not busy; a full queue rejects
+  (``priority``: it sheds the lowest class first).
 
 Pure data structures and functions: no I/O, no clock (times are passed in).
 """
@@ -60,10 +63,13 @@ class ShedMode(str, Enum):
 
 
 class QueueOrder(str, Enum):
-    """Release order of queued requests: arrival order, or shortest ISL first."""
+    """Release order of queued requests: arrival order, shortest ISL first, or
+    priority class → tenant fair share → earliest deadline
+    (:mod:`kvflow.router.fair_queue`)."""
 
     fcfs = "fcfs"
     sjf = "sjf"
+    priority = "priority"
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class ShedConfig:
         mode: ``reject`` or ``queue``. Defaults to ``reject``.
         queue_capacity: most requests held in ``queue`` mode (>= 1).
             Defaults to ``256``.
-        queue_order: ``fcfs`` or ``sjf``. Defaults to ``fcfs``.
+        queue_order: ``fcfs``, ``sjf`` or ``priority``. Defaults to ``fcfs``.
         prefill_tokens_per_s: assumed prompt throughput of one worker, used
             only to estimate ``Retry-After``. Defaults to ``10_000`` (kvflow's
             choice, a conservative single-GPU figure; the mocker's default
@@ -268,8 +274,10 @@ class BoundedRequestQueue(Generic[T]):
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         self.order = QueueOrder(self.order)
 
-    def push(self, item: T, isl: int = 0, deadline_ms: int | None = None) -> None:
-        """Queue ``item`` (ISL in tokens; optional absolute deadline in ms).
+    def push(self, item: T, isl: int = 0, deadline_ms: int | None = None, *, priority: int = 0,
+             tenant: str = "") -> None:
+        """Queue ``item`` (ISL in tokens; optional absolute deadline in ms;
+        ``priority`` and ``tenant`` are ignored by these orders).
 
         Raises:
             QueueFull: ``capacity`` items are already queued.
