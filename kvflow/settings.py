@@ -333,6 +333,21 @@ class Settings(BaseSettings):
     deadline; a full queue sheds the lowest class first, see
     :mod:`kvflow.router.fair_queue`). Defaults to ``fcfs``."""
 
+    shed_reserve_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of the busy thresholds (``shed_kv_threshold``,
+    ``shed_prefill_token_threshold``) held back for requests of priority
+    ``shed_reserve_priority`` and above: lower classes find a worker busy
+    that much earlier. Defaults to 0.0 (no reserve)."""
+
+    shed_reserve_priority: int = 1
+    """The lowest priority class ``shed_reserve_fraction`` is kept for. Defaults to 1."""
+
+    router_session_margin: float | None = Field(default=0.25, ge=0.0)
+    """Session affinity: a request with a session id goes to its session's
+    last worker while the policy scores that worker at most this fraction
+    (of the best score, at least 1 cost unit) worse than its choice
+    (:mod:`kvflow.router.affinity`); ``None`` turns affinity off. Defaults to 0.25."""
+
     @field_validator("api_keys", "media_allow_networks", "media_allowed_roots", mode="before")
     @classmethod
     def _split_api_keys(cls, value: Any) -> Any:

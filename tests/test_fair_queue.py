@@ -201,3 +201,42 @@ def test_core_keeps_a_session_on_its_worker_while_the_cost_is_close():
     second = core2.route(arr("t2", session_id="chat"), 1_002)
     assert second.target.worker_id == home and second.session_hit and core2.counters["session_hits"] == 1
     assert core2.route(arr("t3"), 1_003).target.worker_id != home  # no session: the policy's choice
+
+
+def test_reserve_keeps_headroom_for_the_top_classes():
+    cfg = ShedConfig(mode="queue", queue_order="priority", kv_threshold=0.8, prefill_token_threshold=1000,
+                     reserve_fraction=0.25)
+    low, high = cfg.for_priority(0), cfg.for_priority(1)
+    assert high is cfg and low.kv_threshold == pytest.approx(0.6) and low.prefill_token_threshold == 750
+    assert ShedConfig().for_priority(-5) is not None and ShedConfig().for_priority(-5).kv_threshold == 0.95
+    with pytest.raises(ValueError):
+        ShedConfig(reserve_fraction=1.0)
+    core = RouterCore("least_loaded", shed=cfg)
+    core.on_heartbeat(hb("w0", 1_000, used=70))  # 70% KV: busy for class 0, free for class 1
+    assert core.route(arr("lo"), 1_001).outcome is DecisionOutcome.queued
+    assert core.route(arr("hi", priority=1), 1_002).outcome is DecisionOutcome.routed
+
+
+def test_replay_under_overload_serves_the_high_class_and_sheds_the_low_one():
+    from kvflow.replay.simulator import SimConfig, simulate
+    from kvflow.replay.traces import TraceRequest
+    from kvflow.workers.engines.mocker_core import MockerConfig
+
+    # 5 requests/s at one worker whose KV holds about ten: one in ten of class 1.
+    trace = [TraceRequest(request_id=f"r{i}", index=i, arrival_ms=200.0 * i, isl=1024, osl=256,
+                          priority=1 if i % 10 == 0 else 0, timeout_ms=20_000.0) for i in range(200)]
+    high_ids = {t.request_id for t in trace if t.priority == 1}
+
+    def run(order: str, reserve: float) -> tuple[list, list]:
+        shed = ShedConfig(mode="queue", queue_order=order, queue_capacity=16, kv_threshold=0.8,
+                          prefill_token_threshold=4096, reserve_fraction=reserve)
+        res = simulate(trace, SimConfig(workers=1, policy="least_loaded", shed=shed,
+                                        mocker=MockerConfig(num_kv_blocks=300, max_num_seqs=64)))
+        return ([r for r in res.records if r.request_id in high_ids],
+                [r for r in res.records if r.request_id not in high_ids])
+
+    high, low = run("fcfs", 0.0)
+    assert sum(r.ok for r in high) < len(high)  # arrival order: the high class is shed like the rest
+    high, low = run("priority", 0.25)
+    assert all(r.ok for r in high) and max(r.first_token_ms - r.arrival_ms for r in high) < 1_000
+    assert sum(1 for r in low if r.error and r.error.startswith("shed")) > len(low) // 2

@@ -25,6 +25,12 @@ simulated time while requests are held (the live router ticks every
 heartbeat interval), and is routed when the tick releases it (its queueing
 shows in TTFT).
 
+A trace request's ``priority``, ``tenant``, ``session_id`` and
+``timeout_ms`` reach the core on its :class:`~kvflow.router.core.Arrival`
+(the deadline is arrival + ``timeout_ms``; only the router's queue enforces
+it here, the simulated engines run a routed request to its end), so the
+``priority`` queue order and session affinity replay as they run live.
+
 Timings recorded per request (see :mod:`kvflow.replay.report`): arrival,
 first scheduled (start of the first step that admitted it), every token
 delivery, finish. The loop is one heap of step events merged with the sorted
@@ -469,7 +475,10 @@ class Simulation:
             self._heartbeat(w)
         tokens = req.prompt_token_ids()
         hashes = self._block_hashes(req, tokens) if self.need_block_hashes else ()
-        arrival = Arrival(req.request_id, self.config.model, req.isl, block_hashes=hashes, payload=(req, tokens))
+        deadline = None if req.timeout_ms is None else int(self.now_ms + req.timeout_ms)
+        arrival = Arrival(req.request_id, self.config.model, req.isl, block_hashes=hashes, deadline_ms=deadline,
+                          payload=(req, tokens), priority=req.priority, tenant=req.tenant,
+                          session_id=req.session_id)
         self._carry_out(self.core.route(arrival, int(self.now_ms)))
 
     def _router_tick(self) -> None:
@@ -502,6 +511,8 @@ class Simulation:
             self._schedule_router_tick()
         else:
             self._fail(rec, f"{outcome.value}: {decision.reason}")
+        for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
+            self._carry_out(shed_one)
 
     def _place(self, decision: Decision, req: TraceRequest, rec: RequestRecord, tokens: list[int]) -> None:
         """A routed request: local prefill → its decode (or aggregated) worker; remote → the prefill

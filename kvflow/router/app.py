@@ -188,7 +188,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     policy = policy or settings.routing_policy
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     core = RouterCore(policy, kv=KvPolicyConfig.from_settings(settings), shed=ShedConfig.from_settings(settings),
-                      disagg=DisaggConfig.from_settings(settings), router_id=router_id)
+                      disagg=DisaggConfig.from_settings(settings), router_id=router_id,
+                      session_margin=settings.router_session_margin)
     core.counters.update(dict.fromkeys(ADAPTER_COUNTERS, 0))
     if settings.embedded_broker:
         hot = {catalog.requests.name}  # only requests make the router's consumer poll fast

@@ -409,13 +409,14 @@ class RouterCore:
         role = decode_role(table, arrival.model)
         candidates = table.candidates(arrival.model, role)
         queue = self.queue
-        verdict = shed(candidates, self.shed_config, queued=len(queue) if queue is not None else 0)
+        cfg = self.shed_config.for_priority(arrival.priority)
+        verdict = shed(candidates, cfg, queued=len(queue) if queue is not None else 0)
         action = verdict.action
         if action is ShedAction.route or not candidates:
             return self._dispatch(arrival, role, candidates, verdict.candidates, now_ms, expired)
         if self.prioritized and action is ShedAction.queue and queue and arrival.priority > queue.peek_priority():
             # Held requests are all of lower classes: a free worker takes this one at once.
-            free = [w for w in candidates if not is_busy(w, self.shed_config)]
+            free = [w for w in candidates if not is_busy(w, cfg)]
             if free:
                 self.counters["jumped"] += 1
                 return self._dispatch(arrival, role, candidates, free, now_ms, expired)
@@ -435,7 +436,7 @@ class RouterCore:
                 self.counters["queued"] += 1
                 self.counters["shed"] += 1
                 self.counters["displaced"] += 1
-                why = "the queue is full of requests that rank higher"
+                why = "pushed out of the full queue by a request that ranks higher"
                 out = Decision(DecisionOutcome.shed, victim, decode_role(table, victim.model), now_ms, reason=why,
                                error=ErrorReply(503, "overloaded", why, verdict.retry_after_s))
                 return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired,
@@ -553,7 +554,7 @@ class RouterCore:
             if candidates:
                 if released >= len(candidates):
                     break  # heartbeats lag: one per worker per tick
-                verdict = shed(candidates, self.shed_config)
+                verdict = shed(candidates, self.shed_config.for_priority(arrival.priority))
                 if verdict.action is not ShedAction.route:
                     break  # every worker still busy
                 released += 1

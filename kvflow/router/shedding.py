@@ -31,7 +31,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -95,6 +95,15 @@ class ShedConfig:
             (running requests finish), for ``Retry-After``. Defaults to ``2.0``.
         retry_after_min_s: lower bound of ``Retry-After``. Defaults to ``1``.
         retry_after_max_s: upper bound of ``Retry-After``. Defaults to ``60``.
+        reserve_fraction: share of each busy threshold held back for the
+            top classes: a request of priority below ``reserve_priority``
+            finds a worker busy at ``kv_threshold × (1 − reserve_fraction)``
+            KV use and ``prefill_token_threshold × (1 − reserve_fraction)``
+            queued prompt tokens, so a higher-class arrival finds room a
+            request already running cannot give back (engines do not
+            preempt by class). Defaults to ``0.0`` (no reserve).
+        reserve_priority: the lowest class the reserve is kept for.
+            Defaults to ``1`` (above the default class 0).
 
     Raises:
         ValueError: a threshold or bound out of range.
@@ -109,19 +118,24 @@ class ShedConfig:
     kv_drain_s: float = 2.0
     retry_after_min_s: int = 1
     retry_after_max_s: int = 60
+    reserve_fraction: float = 0.0
+    reserve_priority: int = 1
 
     @classmethod
     def from_settings(cls, settings: Any) -> "ShedConfig":
         """The shedding settings of :class:`kvflow.settings.Settings` (``shed_kv_threshold``,
         ``shed_prefill_token_threshold``, ``shed_mode``, ``shed_queue_capacity``,
-        ``shed_queue_order``); the other fields keep their defaults.
+        ``shed_queue_order``, ``shed_reserve_fraction``, ``shed_reserve_priority``);
+        the other fields keep their defaults.
 
         Raises:
             ValueError: a value out of range.
         """
         return cls(kv_threshold=settings.shed_kv_threshold,
                    prefill_token_threshold=settings.shed_prefill_token_threshold, mode=settings.shed_mode,
-                   queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order)
+                   queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order,
+                   reserve_fraction=settings.shed_reserve_fraction,
+                   reserve_priority=settings.shed_reserve_priority)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_threshold <= 1.0:
@@ -134,8 +148,22 @@ class ShedConfig:
             raise ValueError("prefill_tokens_per_s must be > 0 and kv_drain_s >= 0")
         if not 0 <= self.retry_after_min_s <= self.retry_after_max_s:
             raise ValueError("need 0 <= retry_after_min_s <= retry_after_max_s")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
         object.__setattr__(self, "mode", ShedMode(self.mode))
         object.__setattr__(self, "queue_order", QueueOrder(self.queue_order))
+        below = self
+        if self.reserve_fraction > 0:
+            keep = 1.0 - self.reserve_fraction
+            limit = self.prefill_token_threshold
+            below = replace(self, kv_threshold=self.kv_threshold * keep, reserve_fraction=0.0,
+                            prefill_token_threshold=None if limit is None else int(limit * keep))
+        object.__setattr__(self, "_below_reserve", below)
+
+    def for_priority(self, priority: int) -> "ShedConfig":
+        """The settings a request of class ``priority`` is shed by: these, or
+        below ``reserve_priority`` the thresholds less the reserve."""
+        return self if priority >= self.reserve_priority else self._below_reserve  # type: ignore[attr-defined]
 
 
 def busy_reason(worker: WorkerView, cfg: ShedConfig) -> str | None:
