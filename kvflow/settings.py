@@ -278,6 +278,16 @@ class Settings(BaseSettings):
     """``kvflow worker``: its id (``--worker-id``); ``None``: generated.
     Defaults to ``None``."""
 
+    worker_pool: str = Field(default="", max_length=64)
+    """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
+    ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""
+
+    router_pool_grid: str | None = None
+    """Path of the global router's pool grid (TOML or JSON,
+    :mod:`kvflow.router.pools`; example ``examples/pools.toml``): each
+    request is routed within the prefill and decode pools the grid picks by
+    its ISL, context length and SLA hints. ``None``: one pool. Defaults to ``None``."""
+
     disagg_prefill_threshold_tokens: int = Field(default=1000, ge=0)
     """Prefill remotely only when the uncached prompt is longer than this
     (tokens). Defaults to 1000 (Dynamo's default)."""

@@ -584,10 +584,12 @@ def test_serving_class_from_body_headers_and_api_key():
 
 def test_serving_class_reaches_the_request_record():
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "priority": 2, "session_id": "s1"})
+                                                 "priority": 2, "session_id": "s1", "ttft_target_ms": 300,
+                                                 "itl_target_ms": 20})
     req = to_inference_request(body, request_id="chatcmpl-1", reply_to=REPLY_TO, token_ids=[1, 2],
                                created_ms=1_000, timeout_s=10.0, messages=chat_messages(body), tenant="t-abc")
     assert (req.priority, req.session_id, req.tenant) == (2, "s1", "t-abc")
+    assert (req.ttft_target_ms, req.itl_target_ms) == (300, 20)
     req = to_inference_request(body, request_id="chatcmpl-2", reply_to=REPLY_TO, token_ids=[1, 2],
                                created_ms=1_000, timeout_s=10.0, messages=chat_messages(body), priority=5,
                                session_id="s2")

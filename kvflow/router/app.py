@@ -83,6 +83,7 @@ from kvflow.router.core import Arrival, Cancelled, Decision, Effect, KvDumpNeede
 from kvflow.router.disagg import DisaggConfig, routed_record
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.orphans import Orphans, Routed
+from kvflow.router.pools import load_pool_grid
 from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
@@ -189,7 +190,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     core = RouterCore(policy, kv=KvPolicyConfig.from_settings(settings), shed=ShedConfig.from_settings(settings),
                       disagg=DisaggConfig.from_settings(settings), router_id=router_id,
-                      session_margin=settings.router_session_margin)
+                      session_margin=settings.router_session_margin,
+                      pools=load_pool_grid(settings.router_pool_grid) if settings.router_pool_grid else None)
     core.counters.update(dict.fromkeys(ADAPTER_COUNTERS, 0))
     if settings.embedded_broker:
         hot = {catalog.requests.name}  # only requests make the router's consumer poll fast
@@ -418,6 +420,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         chosen = placement.decision if placement is not None else None
         plan = placement.plan if placement is not None else None
         prefill = plan.prefill if plan is not None else None
+        pools = decision.pools
         try:
             record = DecisionRecord(
                 request_id=arrival.request_id, model=arrival.model, outcome=decision.outcome, policy=policy,
@@ -429,6 +432,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 candidates=list(chosen.candidates) if chosen is not None else [],
                 prefill_candidates=list(prefill.candidates) if prefill is not None else [],
                 priority=arrival.priority, tenant=arrival.tenant or None, session_hit=decision.session_hit,
+                prefill_pool=pools.prefill if pools is not None else None,
+                decode_pool=pools.decode if pools is not None and not pools.fallback else None,
             )
             ack = await app.producer.send(catalog.routing_decisions.name, arrival.request_id.encode(),
                                           encode(record), None, None, None)

@@ -64,12 +64,13 @@ session id prefer their session's last worker (:mod:`kvflow.router.affinity`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from kvflow.router.affinity import DEFAULT_SESSION_MARGIN, SessionTable, prefer_session_worker
 from kvflow.router.disagg import DisaggConfig, Placement, count_placement, decode_role, place
 from kvflow.router.fair_queue import FairRequestQueue
+from kvflow.router.pools import PoolChoice, PoolGrid
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
@@ -140,6 +141,10 @@ class Arrival:
             ``priority`` queue order shares releases fairly among tenants.
         session_id: requests of one session prefer the same worker
             (:mod:`kvflow.router.affinity`); None = no session.
+        max_tokens: the output cap, tokens (the decode context a pool grid
+            reads is ``isl + max_tokens``); 0 = unknown.
+        ttft_target_ms, itl_target_ms: the caller's SLA hints (ms), read by
+            a pool grid (:mod:`kvflow.router.pools`); None = its defaults.
     """
 
     request_id: str
@@ -154,6 +159,9 @@ class Arrival:
     priority: int = 0
     tenant: str = ""
     session_id: str | None = None
+    max_tokens: int = 0
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
 
     @classmethod
     def of(cls, request: InferenceRequest) -> "Arrival":
@@ -163,7 +171,8 @@ class Arrival:
         tokens = request.hash_ids()
         return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
                    request.lora_name, request.created_ms, request.deadline_ms, request, request.priority,
-                   request.tenant or "", request.session_id)
+                   request.tenant or "", request.session_id, request.sampling.max_tokens,
+                   request.ttft_target_ms, request.itl_target_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +212,8 @@ class Decision:
             full ``priority`` queue; each is a ``shed`` decision to carry out.
         session_hit: routed only: the request went to its session's worker
             instead of the policy's choice (:mod:`kvflow.router.affinity`).
+        pools: the pools the pool grid picked (:mod:`kvflow.router.pools`);
+            None without a grid.
     """
 
     outcome: DecisionOutcome
@@ -217,6 +228,7 @@ class Decision:
     expired: tuple[str, ...] = ()
     displaced: tuple["Decision", ...] = ()
     session_hit: bool = False
+    pools: PoolChoice | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,14 +258,15 @@ Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
 
 COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
             "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired", "displaced",
-            "jumped", "session_hits")
+            "jumped", "session_hits", "pool_fallbacks")
 """The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
 includes ``queue_timeouts``, held requests dropped at their deadline), held requests
 ``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
 (``kv_mismatch``), inflight records folded, and workers expired; in ``priority`` queue order,
 held requests ``displaced`` by a higher-ranked arrival (also in ``shed``) and arrivals that
 ``jumped`` a queue of lower classes; routed requests sent to their session's worker
-(``session_hits``)."""
+(``session_hits``); with a pool grid, requests whose decode pool had no worker and went to any
+pool (``pool_fallbacks``)."""
 
 
 class RouterCore:
@@ -268,6 +281,8 @@ class RouterCore:
         block_size: tokens per KV block of the workers; with an event-fed
             policy (``kv``) it creates the KV index at once (needed by
             :meth:`on_kv_events`); None = on the first KV batch, at its size.
+        pools: the global router's pool grid (:mod:`kvflow.router.pools`): each
+            request is routed within the pools it picks; None = one pool.
         session_margin: session affinity's relative margin
             (:func:`~kvflow.router.affinity.prefer_session_worker`); None
             turns affinity off. Defaults to
@@ -287,7 +302,7 @@ class RouterCore:
 
     def __init__(self, policy: str, *, kv: KvPolicyConfig | None = None, shed: ShedConfig | None = None,
                  disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None,
-                 session_margin: float | None = DEFAULT_SESSION_MARGIN) -> None:
+                 pools: PoolGrid | None = None, session_margin: float | None = DEFAULT_SESSION_MARGIN) -> None:
         if policy not in POLICIES:
             raise KeyError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}")
         self.policy = policy
@@ -306,6 +321,7 @@ class RouterCore:
             self.queue = (FairRequestQueue(cfg.queue_capacity) if self.prioritized
                           else BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order))
         self.session_margin = session_margin
+        self.pool_grid = pools
         self.sessions = SessionTable()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._started_ms: dict[str, int] = {}
@@ -402,8 +418,31 @@ class RouterCore:
         requests held → ``queued``; otherwise the policy picks among the
         workers that are not busy, the disaggregation rule decides where the
         prompt is prefilled, and the request is counted on its workers →
-        ``routed``.
+        ``routed``. With a pool grid all of this happens within the pools it
+        picks (:attr:`Decision.pools`).
         """
+        if self.pool_grid is None:
+            return self._route(arrival, now_ms)
+        choice = self._enter_pools(arrival)
+        try:
+            decision = self._route(arrival, now_ms)
+        finally:
+            self.table.pools = None
+        return replace(decision, pools=choice)
+
+    def _enter_pools(self, arrival: Arrival) -> PoolChoice:
+        """Restrict the table's candidates to the pools the grid picks for ``arrival``
+        (every pool when its decode pool has no serving worker of the model)."""
+        grid, table = self.pool_grid, self.table
+        choice = grid.choose(arrival.isl, arrival.max_tokens, arrival.ttft_target_ms, arrival.itl_target_ms)
+        table.pools = (choice.prefill, choice.decode)
+        if not table.candidates(arrival.model, decode_role(table, arrival.model)):
+            table.pools = None
+            self.counters["pool_fallbacks"] += 1
+            return PoolChoice(choice.prefill, choice.decode, fallback=True)
+        return choice
+
+    def _route(self, arrival: Arrival, now_ms: int) -> Decision:
         expired = self._expire(now_ms)
         table = self.table
         role = decode_role(table, arrival.model)
@@ -549,16 +588,21 @@ class RouterCore:
         released = 0
         while queue:
             arrival = queue.peek()
-            role = decode_role(table, arrival.model)
-            candidates = table.candidates(arrival.model, role)
-            if candidates:
-                if released >= len(candidates):
-                    break  # heartbeats lag: one per worker per tick
-                verdict = shed(candidates, self.shed_config.for_priority(arrival.priority))
-                if verdict.action is not ShedAction.route:
-                    break  # every worker still busy
-                released += 1
-                self.counters["released"] += 1
-            queue.pop()
-            effects.append(self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
-                                          now_ms))
+            choice = self._enter_pools(arrival) if self.pool_grid is not None else None
+            try:
+                role = decode_role(table, arrival.model)
+                candidates = table.candidates(arrival.model, role)
+                if candidates:
+                    if released >= len(candidates):
+                        break  # heartbeats lag: one per worker per tick
+                    verdict = shed(candidates, self.shed_config.for_priority(arrival.priority))
+                    if verdict.action is not ShedAction.route:
+                        break  # every worker (of its pool) still busy
+                    released += 1
+                    self.counters["released"] += 1
+                queue.pop()
+                decision = self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
+                                          now_ms)
+            finally:
+                table.pools = None
+            effects.append(decision if choice is None else replace(decision, pools=choice))

@@ -109,6 +109,11 @@ class DecisionRecord(Record):
         tenant: who sent it (a digest of the API key), None when unknown.
         session_hit: routed to its session's worker rather than the policy's
             choice (the session's worker scored within the affinity margin).
+        prefill_pool: the pool the global router's grid picked for the
+            prompt (remote prefill); None without a pool grid.
+        decode_pool: the pool picked for decoding (or the whole request);
+            None without a pool grid, or when that pool had no worker and
+            every pool was considered.
     """
 
     request_id: str = Field(min_length=1)
@@ -128,3 +133,5 @@ class DecisionRecord(Record):
     priority: int = 0
     tenant: str | None = None
     session_hit: bool = False
+    prefill_pool: str | None = None
+    decode_pool: str | None = None

@@ -121,6 +121,12 @@ class _SamplingBody(BaseModel):
     """kvflow extension: the session (conversation, agent run) the request belongs
     to; the router keeps a session's requests on one worker while its cost is
     close to the best. Also the ``X-Session-Id`` header."""
+    ttft_target_ms: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S * 1000)
+    """kvflow extension (SLA hint): the time to first token the caller
+    targets, ms; a router with a pool grid picks the prefill pool by it."""
+    itl_target_ms: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S * 1000)
+    """kvflow extension (SLA hint): the inter-token latency the caller
+    targets, ms; a router with a pool grid picks the decode pool by it."""
     ignore_eos: bool = False
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """kvflow extension: seconds from arrival to the request's deadline, by

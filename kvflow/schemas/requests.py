@@ -124,7 +124,9 @@ class InferenceRequest(Record):
     ``tenant`` names who sent the request (the bridge: a digest of the API
     key, never the key); ``session_id`` groups requests of one conversation
     or agent, which the router keeps on one worker while its cost is within
-    a margin of the best.
+    a margin of the best. ``ttft_target_ms``/``itl_target_ms`` are the
+    caller's SLA hints (TTFT and ITL targets, ms); a router with a pool grid
+    picks the request's pools by them (:mod:`kvflow.router.pools`).
 
     Migration: ``attempt`` counts resubmissions of the request after its
     worker was lost (0 for the first); a resubmission carries the output
@@ -147,6 +149,8 @@ class InferenceRequest(Record):
     priority: int = 0
     tenant: str | None = Field(default=None, max_length=64)
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    ttft_target_ms: float | None = Field(default=None, gt=0)
+    itl_target_ms: float | None = Field(default=None, gt=0)
     lora_name: str | None = None
     routing: RoutingDecision | None = None
     disaggregated_params: dict[str, Any] | None = None

@@ -120,7 +120,7 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                kv_host_gb=settings.kv_host_gb, kv_disk_gb=settings.kv_disk_gb,
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
-                                           tokenizer=tokenizer, role=role), eng)
+                                           tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)
     _drain_on_signals(worker)
     await worker.run()
 

@@ -185,6 +185,7 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
         "deadline_ms": deadline_ms(created_ms, timeout_s),
         "priority": body.priority if priority is None else priority, "tenant": tenant,
         "session_id": body.session_id if session_id is None else session_id,
+        "ttft_target_ms": body.ttft_target_ms, "itl_target_ms": body.itl_target_ms,
     }
     if isinstance(body, ChatCompletionRequest):
         if messages is None:
