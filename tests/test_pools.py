@@ -103,3 +103,19 @@ def test_a_pool_without_workers_falls_back_to_every_pool(grid):
     assert d.outcome is DecisionOutcome.routed and d.target.worker_id == "ll-0"
     assert d.pools.fallback and core.counters["pool_fallbacks"] == 1
     assert core.table.pools is None  # the filter never outlives a decision
+
+
+def test_replay_places_each_request_in_its_pool_and_reports_per_pool(grid):
+    from kvflow.replay.pool_report import pool_report
+    from kvflow.replay.simulator import SimConfig, simulate
+    from kvflow.replay.traces import TraceRequest
+
+    trace = [TraceRequest(request_id=f"r{i}", index=i, arrival_ms=50.0 * i, isl=9_000 if i % 4 == 0 else 600,
+                          osl=32) for i in range(40)]
+    res = simulate(trace, SimConfig(workers=0, policy="kv", pool_grid=grid, pool_workers={LL: 2, LC: 1}))
+    pools = res.worker_pools
+    for rec in res.records:
+        assert rec.ok and pools[rec.worker_id] == (LC if rec.isl == 9_000 else LL)
+    report = pool_report(res.records, pools)
+    assert report[LC]["completed"] == 10 and report[LL]["completed"] == 30
+    assert report[LC]["ttft_p50_ms"] > report[LL]["ttft_p50_ms"]

@@ -89,9 +89,10 @@ class TraceRequest:
     slicing.
 
     Serving classes (Mooncake and kvflow traces, optional keys
-    ``priority``, ``tenant``, ``session_id``, ``timeout_ms``): the request's
-    priority class (higher first), who sent it, its session, and its
-    deadline in ms after arrival (not scaled by ``speedup``; None = none).
+    ``priority``, ``tenant``, ``session_id``, ``timeout_ms``,
+    ``ttft_target_ms``, ``itl_target_ms``): the request's priority class
+    (higher first), who sent it, its session, its deadline in ms after
+    arrival (not scaled by ``speedup``; None = none), and its SLA hints (ms).
     """
 
     request_id: str
@@ -111,6 +112,8 @@ class TraceRequest:
     tenant: str = ""
     session_id: str | None = None
     timeout_ms: float | None = None
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
 
     def prompt_token_ids(self, tokenizer: Tokenizer | None = None) -> list[int]:
         """The prompt's ``isl`` token ids (built on demand, not stored).
@@ -234,11 +237,12 @@ def _serving_fields(path: Path, lineno: int, rec: dict) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise TraceFormatError(path, lineno, f"field {key!r} must be a string, got {value!r}")
             out[key] = value
-    timeout = rec.get("timeout_ms")
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise TraceFormatError(path, lineno, f"field 'timeout_ms' must be a number > 0, got {timeout!r}")
-        out["timeout_ms"] = float(timeout)
+    for key in ("timeout_ms", "ttft_target_ms", "itl_target_ms"):
+        value = rec.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise TraceFormatError(path, lineno, f"field {key!r} must be a number > 0, got {value!r}")
+            out[key] = float(value)
     return out
 
 
@@ -376,7 +380,8 @@ def _read_kvflow(path: Path, name: str, vocab_size: int, seed: int, tokenizer: T
                                 request_id=req.request_id)
         timeout = float(req.deadline_ms - req.created_ms) if req.deadline_ms is not None and req.created_ms else None
         out.append(replace(req_out, priority=req.priority, tenant=req.tenant or "", session_id=req.session_id,
-                           timeout_ms=timeout if timeout is not None and timeout > 0 else None))
+                           timeout_ms=timeout if timeout is not None and timeout > 0 else None,
+                           ttft_target_ms=req.ttft_target_ms, itl_target_ms=req.itl_target_ms))
     return out
 
 
