@@ -278,6 +278,17 @@ class Settings(BaseSettings):
     """``kvflow worker``: its id (``--worker-id``); ``None``: generated.
     Defaults to ``None``."""
 
+    mocker_spec_num_draft_tokens: int = Field(default=0, ge=0, le=255)
+    """Mocker workers: draft tokens proposed per request per decode step
+    (speculative decoding, modelled); 0 = off. Defaults to 0."""
+
+    mocker_spec_acceptance_rate: float = Field(default=0.7, ge=0.0, le=1.0)
+    """Mocker workers: probability that a draft token is accepted. Defaults to 0.7."""
+
+    mocker_spec_draft_cost_ratio: float = Field(default=0.0, ge=0.0)
+    """Mocker workers: a draft pass's cost as a fraction of a target decode
+    pass (0: prompt lookup). Defaults to 0.0."""
+
     worker_pool: str = Field(default="", max_length=64)
     """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
     ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""

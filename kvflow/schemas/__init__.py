@@ -32,7 +32,7 @@ from kvflow.schemas.kv_events import (
     decode_kv_frame,
     encode_kv_batch,
 )
-from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, WorkerMetrics
+from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, SpecDecodeMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
     EmbeddingRequest,
@@ -67,7 +67,8 @@ __all__ = [
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "StoredResponse", "Timings",
-    "TokenDelta", "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "WorkerRole", "WorkerStatus",
+    "TokenDelta", "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "SpecDecodeMetrics", "WorkerRole",
+    "WorkerStatus",
     "deadline_exceeded", "decode",
     "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",

@@ -27,7 +27,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker",
                  tokenizer: str | None = None, kv_cache_gb: float | None = None, dtype: str = "auto",
                  compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
-                 kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None) -> tuple[Engine, str, str]:
+                 kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
+                 mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0)) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
@@ -38,6 +39,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     (:class:`~kvflow.workers.engines.vllm.VllmOptions`); other engines ignore them.
     ``kv_connector``: the vLLM KV connector of a prefill or decode worker
     (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
+    ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
+    rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`).
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -55,6 +58,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         if num_kv_blocks:
             kw["num_kv_blocks"] = num_kv_blocks
         kw["kv_host_bytes"], kw["kv_disk_bytes"] = int(kv_host_gb * 2**30), int(kv_disk_gb * 2**30)
+        kw["spec_num_draft_tokens"], kw["spec_acceptance_rate"], kw["spec_draft_cost_ratio"] = mocker_spec
         spec = "bytes"
         if tokenizer and tokenizer != "bytes":
             from kvflow.models.resolve import resolve_model
@@ -118,6 +122,9 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
                                                compiled=compiled, kv_connector=connector,
                                                kv_host_gb=settings.kv_host_gb, kv_disk_gb=settings.kv_disk_gb,
+                                               mocker_spec=(settings.mocker_spec_num_draft_tokens,
+                                                            settings.mocker_spec_acceptance_rate,
+                                                            settings.mocker_spec_draft_cost_ratio),
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)

@@ -759,6 +759,7 @@ class Worker:
             prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
             decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
             aborted_requests=aborted, kv_tiers=self.engine.kv_tier_metrics(),
+            spec_decode=self.engine.spec_decode_metrics(),
         )
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:
