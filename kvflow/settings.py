@@ -289,6 +289,11 @@ class Settings(BaseSettings):
     """Mocker workers: a draft pass's cost as a fraction of a target decode
     pass (0: prompt lookup). Defaults to 0.0."""
 
+    hf_spec_ngram_tokens: int = Field(default=0, ge=0, le=64)
+    """hf workers: draft tokens per step of prompt-lookup speculative decoding
+    (used while one greedy request decodes; :mod:`kvflow.workers.engines.hf`);
+    0 = off. Defaults to 0."""
+
     worker_pool: str = Field(default="", max_length=64)
     """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
     ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""

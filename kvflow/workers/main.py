@@ -28,7 +28,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  tokenizer: str | None = None, kv_cache_gb: float | None = None, dtype: str = "auto",
                  compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
                  kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
-                 mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0)) -> tuple[Engine, str, str]:
+                 mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0),
+                 hf_spec_ngram_tokens: int = 0) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
@@ -40,7 +41,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     ``kv_connector``: the vLLM KV connector of a prefill or decode worker
     (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
     ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
-    rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`).
+    rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`);
+    ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off).
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -76,6 +78,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["num_kv_blocks"] = num_kv_blocks
         if kv_host_gb or kv_disk_gb:
             kw["extra"] = {"kv_host_gb": kv_host_gb, "kv_disk_gb": kv_disk_gb, "kv_disk_dir": kv_disk_dir}
+        if hf_spec_ngram_tokens:
+            kw.setdefault("extra", {})["spec_ngram_tokens"] = hf_spec_ngram_tokens
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
     if engine == "vllm" and (kv_host_gb or kv_disk_gb):
         raise ValueError("--kv-host-gb/--kv-disk-gb: the vllm engine has no kvflow KV tiers (use vLLM's own "
@@ -125,6 +129,7 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                mocker_spec=(settings.mocker_spec_num_draft_tokens,
                                                             settings.mocker_spec_acceptance_rate,
                                                             settings.mocker_spec_draft_cost_ratio),
+                                               hf_spec_ngram_tokens=settings.hf_spec_ngram_tokens,
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)
