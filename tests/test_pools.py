@@ -119,3 +119,17 @@ def test_replay_places_each_request_in_its_pool_and_reports_per_pool(grid):
     report = pool_report(res.records, pools)
     assert report[LC]["completed"] == 10 and report[LL]["completed"] == 30
     assert report[LC]["ttft_p50_ms"] > report[LL]["ttft_p50_ms"]
+
+
+def test_offline_replay_reports_each_pool(tmp_path, grid):
+    from kvflow.replay.offline import run_offline
+    from kvflow.replay.report import render_markdown
+
+    trace = tmp_path / "mix.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 9_000 if i % 5 == 0 else 700,
+                                         "output_length": 16, "hash_ids": list(range(i * 20, i * 20 + 18))}) + "\n"
+                             for i in range(30)))
+    report = run_offline(trace, workers=0, policy="kv", progress=False, pool_grid=grid,
+                         pool_workers={LL: 1, LC: 1})
+    assert report.pools[LC]["completed"] == 6 and report.pools[LL]["completed"] == 24
+    assert "| long-context | 6 |" in render_markdown(report)
