@@ -219,3 +219,40 @@ async def test_priority_queue_displaces_the_low_class_and_records_the_serving_cl
     finally:
         await producer.stop()
         await r.app.stop()
+
+
+async def test_pool_grid_routes_long_prompts_to_the_long_context_pool(kafka, waiter, tmp_path):
+    from pathlib import Path
+
+    from kvflow.streams.explain import read_decisions
+
+    settings, catalog = kafka
+    grid = Path(__file__).resolve().parents[1] / "examples" / "pools.toml"
+    r = build_router_app(settings.model_copy(update={"router_pool_grid": str(grid)}), catalog,
+                         policy="least_loaded")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for wid, slot, pool in (("ll", 7, "low-latency"), ("lc", 8, "long-context")):
+            hb = heartbeat(catalog, wid, slot).model_copy(update={"pool": pool, "ttl_ms": 120_000})
+            await producer.send_and_wait(catalog.workers.name, encode(hb), key=wid.encode())
+        await waiter(lambda: {"ll", "lc"} <= set(r.table.workers))
+        for rid, isl in (("short", 100), ("long", 9_000)):
+            req = InferenceRequest(request_id=rid, model="m", token_ids=list(range(isl)),
+                                   reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+            await producer.send_and_wait(catalog.requests.name, encode(req), key=rid.encode())
+        queue = catalog.queue(WorkerRole.aggregated).name
+        [short] = await read_partition(settings, queue, 7, 1)
+        [long] = await read_partition(settings, queue, 8, 1)
+        assert decode(InferenceRequest, short.value).request_id == "short"
+        assert decode(InferenceRequest, long.value).request_id == "long"
+        records: list = []
+        for _ in range(20):  # decision records are sent without waiting for the broker's ack
+            records = await read_decisions(settings, "long", catalog, idle_ms=300)
+            if records:
+                break
+        assert (records[0].prefill_pool, records[0].decode_pool) == ("long-context", "long-context")
+    finally:
+        await producer.stop()
+        await r.app.stop()
