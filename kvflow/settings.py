@@ -294,6 +294,11 @@ class Settings(BaseSettings):
     (used while one greedy request decodes; :mod:`kvflow.workers.engines.hf`);
     0 = off. Defaults to 0."""
 
+    vllm_speculative_config: dict[str, Any] | None = None
+    """vLLM workers: vLLM's ``speculative_config``, passed through (JSON in the
+    environment, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3}``). Defaults to ``None`` (off)."""
+
     worker_pool: str = Field(default="", max_length=64)
     """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
     ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""

@@ -29,7 +29,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
                  kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
                  mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0),
-                 hf_spec_ngram_tokens: int = 0) -> tuple[Engine, str, str]:
+                 hf_spec_ngram_tokens: int = 0,
+                 vllm_speculative_config: dict | None = None) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
@@ -42,7 +43,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
     ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
     rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`);
-    ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off).
+    ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off);
+    ``vllm_speculative_config``: vLLM's ``speculative_config``, passed through.
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -90,7 +92,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
 
         resolved = resolve_model(model)
         kw = {"block_size": block_size} if block_size else {}
-        options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled)
+        options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled,
+                              speculative_config=vllm_speculative_config)
         return (make_engine("vllm", model=str(resolved.path), options=options,
                              kv_connector=kv_connector, **kw), resolved.name,
                 str(resolved.path))
@@ -130,6 +133,7 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                             settings.mocker_spec_acceptance_rate,
                                                             settings.mocker_spec_draft_cost_ratio),
                                                hf_spec_ngram_tokens=settings.hf_spec_ngram_tokens,
+                                               vllm_speculative_config=settings.vllm_speculative_config,
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)
