@@ -66,3 +66,26 @@ def test_bad_settings_are_refused():
                {"spec_draft_cost_ratio": -0.1}):
         with pytest.raises(ValueError):
             MockerConfig(**kw)
+
+
+async def test_live_mocker_engine_streams_several_tokens_per_step_and_reports_counters():
+    from kvflow.workers.engines.mocker import MockerEngine
+
+    async def generate(cfg: MockerConfig) -> tuple[list[list[int]], MockerEngine]:
+        engine = MockerEngine(cfg)
+        await engine.start()
+        try:
+            chunks = [o.token_ids async for o in engine.generate(
+                GenerateRequest("a", list(range(300)), SamplingParams(max_tokens=60, ignore_eos=True)))]
+        finally:
+            await engine.stop()
+        return chunks, engine
+
+    plain, plain_engine = await generate(MockerConfig(block_size=BS, speedup_ratio=100.0))
+    spec, spec_engine = await generate(MockerConfig(block_size=BS, speedup_ratio=100.0, spec_num_draft_tokens=4,
+                                                    spec_acceptance_rate=0.8))
+    assert [t for c in spec for t in c] == [t for c in plain for t in c]
+    assert len(spec) < len(plain) and max(len(c) for c in spec) > 1
+    assert plain_engine.spec_decode_metrics() is None
+    m = spec_engine.spec_decode_metrics()
+    assert m.accepted_tokens > 0 and m.mean_accepted_length > 1
