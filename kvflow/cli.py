@@ -1,4 +1,5 @@
-"""The ``kvflow`` command: up, worker, bridge, status, admin, explain, produce, planner, profile, replay, aiperf.
+"""The ``kvflow`` command: up, worker, bridge, status, admin, explain, shadow, index, produce, planner, profile,
+replay, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -8,6 +9,7 @@ given on the command line wins (see :mod:`kvflow.cli_options`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +42,7 @@ from kvflow.cli_options import (
     check_policy,
     env_help,
     join_settings,
+    parse_time_ms,
     resolve_settings,
     vllm_worker_args,
 )
@@ -124,6 +127,10 @@ def up(
     kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Port of the deployment's one Prometheus scrape point (router, planner, bridge, "
+                               "consumer lag and every worker); 0 or unset: a free port, printed at start and "
+                               "recorded in the state file. [env: KVFLOW_METRICS_PORT]")] = None,
     verbose: bool = False,
 ) -> None:
     """Start broker (embedded unless -b), router, workers and the HTTP bridge; Ctrl-C stops all.
@@ -147,7 +154,10 @@ def up(
                                 shed_mode=shed_mode, shed_queue_capacity=shed_queue_capacity,
                                 shed_queue_order=shed_queue_order, shed_kv_threshold=shed_kv_threshold,
                                 shed_prefill_token_threshold=shed_prefill_token_threshold,
-                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file)
+                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file,
+                                metrics_port=metrics_port)
+    if settings.metrics_port is None:
+        settings = settings.model_copy(update={"metrics_port": 0})
     check_policy(settings.routing_policy)
     if settings.api_keys_file:
         from kvflow.streams.bridge.api_keys import read_api_keys_file
@@ -188,6 +198,10 @@ def up(
             raise typer.BadParameter(str(exc)) from exc
         workers = min(max(workers, min_workers), max_workers)
 
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow")  # bridge, router and planner spans (OTLP export: KVFLOW_OTLP_ENDPOINT)
+
     async def main() -> None:
         sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args,
                                               embedding_model=embedding_model), host=host, port=port, bridge=bridge)
@@ -197,12 +211,18 @@ def up(
             loop.add_signal_handler(sig, stop.set)
         try:
             await sup.start()
-            write_state(state_file_path, DeploymentState(
-                bootstrap_servers=sup.settings.bootstrap_servers, embedded_broker=sup.settings.embedded_broker,
-                namespace=sup.settings.namespace, url=sup.url, port=port, bridge=bridge, pid=os.getpid(),
-                routing_policy=sup.settings.routing_policy, data_dir=str(Path(settings.data_dir).absolute())))
+
+            def record() -> None:
+                write_state(state_file_path, DeploymentState(
+                    bootstrap_servers=sup.settings.bootstrap_servers, embedded_broker=sup.settings.embedded_broker,
+                    namespace=sup.settings.namespace, url=sup.url, port=port, bridge=bridge, pid=os.getpid(),
+                    routing_policy=sup.settings.routing_policy, data_dir=str(Path(settings.data_dir).absolute()),
+                    metrics_url=sup.metrics_url, worker_metrics_urls=sup.worker_metrics_urls()))
+
+            record()
             typer.echo(f"kafka: {sup.settings.bootstrap_servers}{' (embedded Tansu)' if sup.broker else ''}; "
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
+            typer.echo(f"metrics: {sup.metrics_url} (router, planner, bridge, consumer lag and all workers)")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
                      (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers))
             for role, count in pools:
@@ -223,6 +243,9 @@ def up(
                                f"{min_workers}..{max_workers} workers; metrics in {sup.planner.clickhouse.location}")
                 where = f"{sup.url}/v1" if bridge else f"the Kafka topic {sup.catalog.requests.name} (no HTTP bridge)"
                 typer.echo(f"{total} worker(s) ready in {time.monotonic() - loading_since:.1f} s")
+                record()  # now with the workers' own /metrics URLs
+                for url in sup.worker_metrics_urls():
+                    typer.echo(f"  worker metrics: {url}")
                 typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
@@ -261,6 +284,11 @@ def worker(
     port: JoinPortOpt = None,
     state_file: StateFileOpt = None,
     data_dir: DataDirOpt = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Serve this worker's Prometheus /metrics on this port (0: a free one; unset: "
+                               "none). [env: KVFLOW_METRICS_PORT]")] = None,
+    metrics_host: Annotated[Optional[str], typer.Option(
+        help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")] = None,
     verbose: bool = False,
 ) -> None:
     """Run one worker process (normally started by `kvflow up`)."""
@@ -269,9 +297,13 @@ def worker(
     _logging(verbose)
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             worker_slot=slot, worker_id=worker_id, kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb)
+                             worker_slot=slot, worker_id=worker_id, kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb,
+                             metrics_port=metrics_port, metrics_host=metrics_host)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow-worker")
     asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
                            worker_id=settings.worker_id,
                            block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
@@ -312,6 +344,9 @@ def bridge_cmd(
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
                              api_keys_file=api_keys_file)
+    from kvflow.streams.tracing import setup_tracing
+
+    setup_tracing(settings, "kvflow-bridge")
     try:
         app = build_app(settings, slot=slot, ensure_topics=False)
     except (OSError, ValueError) as exc:
@@ -413,6 +448,96 @@ def admin_clear_kv(
     """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
     _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
            data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+@app.command("shadow")
+def shadow_cmd(
+    policy: Annotated[str, typer.Option(help="The policy to shadow the live router with (kv, round_robin, ...).")],
+    duration_s: Annotated[Optional[float], typer.Option(min=0, help="Stop after this many seconds (unset: Ctrl-C).")]
+    = None,
+    report_interval_s: Annotated[float, typer.Option(min=0.1, help="Seconds between summary lines.")] = 10.0,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Serve kvflow_shadow_* on this port's /metrics (unset: none).")] = None,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    verbose: bool = False,
+) -> None:
+    """Shadow-route a running deployment's requests with --policy: decide each one, act on none.
+
+    Prints one JSON line per interval (and at the end): requests compared
+    with the live router's decisions, agreement (same worker), and the
+    predicted prefix hit ratio of each router's choices (prompt blocks the
+    chosen worker already held) with their difference (kvflow.router.shadow).
+    """
+    from kvflow.router.shadow import ShadowRouter
+
+    _logging(verbose)
+    check_policy(policy)
+    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+    async def main() -> None:
+        shadow = ShadowRouter(settings, policy)
+        task = asyncio.create_task(shadow.run())
+        server = None
+        if metrics_port is not None:
+            from kvflow.streams.metrics_server import serve_metrics
+
+            server = await serve_metrics([shadow.registry], settings.metrics_host, metrics_port)
+            typer.echo(f"metrics: {server.url}", err=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        deadline = None if duration_s is None else loop.time() + duration_s
+        try:
+            while not stop.is_set() and not task.done():
+                wait_s = report_interval_s if deadline is None else min(report_interval_s, deadline - loop.time())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(wait_s, 0))
+                typer.echo(json.dumps({"policy": policy, **shadow.tally.summary()}))
+                if deadline is not None and loop.time() >= deadline:
+                    break
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if server is not None:
+                await server.stop()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+    asyncio.run(main())
+
+
+@app.command("index")
+def index_cmd(
+    at: Annotated[str, typer.Option(help="When: epoch ms, ISO 8601 (UTC unless zoned), 'now', or '-5m'.")] = "now",
+    snapshot: Annotated[bool, typer.Option(help="Print every block hash per worker, not only counts.")] = False,
+    progress: Annotated[bool, typer.Option(help="Report records read on stderr.")] = True,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Rebuild the global KV index as it was at --at from the kv-events and workers topics; print it as JSON.
+
+    The rebuild folds the log with the live router's own code
+    (kvflow.router.history), so it equals what a router that had caught up
+    held at that time.
+    """
+    from kvflow.router.history import index_at
+
+    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+    rebuilt = asyncio.run(index_at(settings, parse_time_ms(at), progress=progress))
+    out = rebuilt.summary()
+    if snapshot and rebuilt.index is not None:
+        out["index"] = rebuilt.index.snapshot()
+    typer.echo(json.dumps(out, indent=2))
 
 
 @app.command()

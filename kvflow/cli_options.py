@@ -12,6 +12,8 @@ for the commands that join one.
 from __future__ import annotations
 
 import logging
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Optional, TypeVar
 
@@ -42,6 +44,7 @@ __all__ = [
     "deprecated_alias",
     "env_help",
     "join_settings",
+    "parse_time_ms",
     "resolve_settings",
 ]
 
@@ -231,3 +234,29 @@ def check_policy(policy: str) -> str:
         raise typer.BadParameter(f"unknown routing policy {policy!r}; known: {', '.join(sorted(POLICIES))}",
                                  param_hint="--policy")
     return policy
+
+
+def parse_time_ms(text: str, now_ms: int | None = None) -> int:
+    """Epoch ms of ``text``: epoch milliseconds (digits), an ISO 8601 time (UTC
+    unless it names a zone), ``now``, or a time before now (``-90s``, ``-5m``, ``-2h``).
+
+    Raises:
+        typer.BadParameter: none of these.
+    """
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if text == "now":
+        return now_ms
+    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+    for unit in ("ms", "s", "m", "h"):
+        if text.startswith("-") and text.endswith(unit) and text[1:-len(unit)].replace(".", "", 1).isdigit():
+            return now_ms - int(float(text[1:-len(unit)]) * units[unit])
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r} is not epoch ms, an ISO 8601 time, 'now' or '-<n>s|m|h'") from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return int(when.timestamp() * 1000)

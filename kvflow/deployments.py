@@ -52,6 +52,10 @@ class DeploymentState(BaseModel):
     pid: int
     routing_policy: str | None = None
     data_dir: str | None = None
+    metrics_url: str | None = None
+    """The deployment's one Prometheus scrape point (every process's series), if served."""
+    worker_metrics_urls: list[str] = []
+    """Each worker's own ``/metrics`` as the workers started (scaling changes them; the scrape point follows)."""
 
     def describe(self) -> str:
         """One line for listings: port, URL, pid, namespace, broker."""

@@ -379,6 +379,20 @@ class Settings(BaseSettings):
     (of the best score, at least 1 cost unit) worse than its choice
     (:mod:`kvflow.router.affinity`); ``None`` turns affinity off. Defaults to 0.25."""
 
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of this process's Prometheus ``/metrics`` (a worker's, or the
+    ``kvflow up`` process's aggregated one); 0 picks a free port, ``None``
+    serves none (the bridge always serves its own on its HTTP port).
+    Defaults to ``None``."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address ``/metrics`` servers listen on. Defaults to ``127.0.0.1``."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP traces endpoint (e.g. ``http://collector:4318/v1/traces``):
+    spans are exported there when set; ``None`` exports none (the trace
+    context still travels in record headers). Defaults to ``None``."""
+
     @field_validator("api_keys", "media_allow_networks", "media_allowed_roots", mode="before")
     @classmethod
     def _split_api_keys(cls, value: Any) -> Any:

@@ -12,6 +12,13 @@ which the worker handles by draining: no request is lost). With
 :meth:`Supervisor.start_planner` it also hosts the SLA planner: metrics sink,
 planner loop and local connector (:mod:`kvflow.planner.service`), in this
 process because it owns the embedded chDB directory.
+
+Metrics: with ``settings.metrics_port`` set, :meth:`Supervisor.start` serves
+one Prometheus scrape point for the whole deployment
+(:attr:`Supervisor.metrics_url`): the router's, the planner's, the bridge's
+and the consumer-lag series of this process, plus each worker's own
+``/metrics`` (every worker is started with a free ``--metrics-port``, listed
+in :attr:`Supervisor.worker_metrics_urls`), fetched and merged at each scrape.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvflow.schemas import WorkerRole
 from kvflow.settings import Settings
-from kvflow.streams.broker import EmbeddedBroker
+from kvflow.streams.broker import EmbeddedBroker, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
 from kvflow.streams.kafka import create_topics
 
@@ -56,6 +63,7 @@ class _Child:
     role: WorkerRole
     slot: int
     process: asyncio.subprocess.Process
+    metrics_url: str | None = None
 
 
 class Supervisor:
@@ -75,6 +83,8 @@ class Supervisor:
         self._counter = 0
         self._draining: dict[str, _Child] = {}  # SIGTERM sent, not exited: their slots stay taken
         self.planner = None  # kvflow.planner.service.PlannerServices, once started
+        self.metrics = None  # kvflow.streams.metrics_server.MetricsServer, once started
+        self.lag = None  # kvflow.streams.lag.ConsumerLag, with the metrics server
 
     async def start(self) -> None:
         """Start broker (if embedded), topics, router and bridge (no workers yet)."""
@@ -106,6 +116,31 @@ class Supervisor:
                 if self._bridge_task.done():
                     self._bridge_task.result()
                 await asyncio.sleep(0.02)
+        if self.settings.metrics_port is not None:
+            await self._serve_metrics()
+
+    async def _serve_metrics(self) -> None:
+        from kvflow.streams.lag import ConsumerLag
+        from kvflow.streams.metrics_server import serve_metrics
+
+        self.lag = ConsumerLag(self.settings, self.catalog)
+        await self.lag.start()
+        registries = [self.router.prom.registry, self.lag.registry]
+        bridge_state = getattr(self._uvicorn.config.app.state, "bridge", None) if self._uvicorn else None
+        if bridge_state is not None:
+            registries.append(bridge_state.metrics.registry)
+        self.metrics = await serve_metrics(registries, self.settings.metrics_host, self.settings.metrics_port,
+                                           children=self.worker_metrics_urls, before_scrape=self.lag.refresh)
+        log.info("deployment metrics at %s", self.metrics.url)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The deployment's one scrape point (``None``: not served)."""
+        return self.metrics.url if self.metrics is not None else None
+
+    def worker_metrics_urls(self) -> list[str]:
+        """``/metrics`` URLs of the running workers (merged into :attr:`metrics_url`)."""
+        return [c.metrics_url for c in self.children.values() if c.metrics_url and c.process.returncode is None]
 
     @property
     def url(self) -> str:
@@ -135,8 +170,14 @@ class Supervisor:
             "--bootstrap-servers", str(self.settings.bootstrap_servers), "--namespace", self.settings.namespace,
             *(["--embedded-broker"] if self.settings.embedded_broker else []),
         ]
+        metrics_url = None
+        if self.settings.metrics_port is not None:
+            # Picked here so the aggregated scrape knows it; the port is free now, not reserved.
+            metrics_port = free_port()
+            args += ["--metrics-port", str(metrics_port), "--metrics-host", self.settings.metrics_host]
+            metrics_url = f"http://{self.settings.metrics_host}:{metrics_port}/metrics"
         proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL)
-        self.children[worker_id] = _Child(worker_id, role, slot, proc)
+        self.children[worker_id] = _Child(worker_id, role, slot, proc, metrics_url)
         log.info("started worker %s (pid %d, slot %d)", worker_id, proc.pid, slot)
         return worker_id
 
@@ -218,9 +259,18 @@ class Supervisor:
             connector=LocalConnector(self, max_replicas=QUEUE_SLOTS), catalog=self.catalog, model=model,
             data_dir=data_dir)
         await self.planner.start()
+        if self.metrics is not None:
+            from kvflow.planner.prometheus import planner_registry
+
+            self.metrics.registries.append(planner_registry(self.planner.loop))
 
     async def stop(self) -> None:
-        """Stop everything: planner, bridge, workers (drained), router, broker."""
+        """Stop everything: metrics server, planner, bridge, workers (drained), router, broker."""
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                await self.metrics.stop()
+        if self.lag is not None:
+            await self.lag.stop()
         if self.planner is not None:
             with contextlib.suppress(Exception):
                 await self.planner.stop()

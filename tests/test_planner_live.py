@@ -19,6 +19,7 @@ from kvflow.planner.core import (
 )
 from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.loop import PlannerLoop, load_profile
+from kvflow.planner.prometheus import planner_registry
 from kvflow.planner.service import ClickHouseLocked, open_shared_clickhouse
 from kvflow.planner.sink_service import SinkService, sink_group
 from kvflow.schemas import DeadLetter, RequestMetrics, ScalingCommand, WorkerMetrics, WorkerRole, decode, encode
@@ -208,6 +209,16 @@ async def test_planner_loop_reads_the_window_and_publishes_a_scaling_command(kaf
         assert [(c.pool, c.current_replicas, c.target_replicas) for c in report.commands] == [(AGG, 1, target)]
         published = await read_all(settings, catalog.scaling.name, 1)
         assert [(m.key, decode(ScalingCommand, m.value)) for m in published] == [(b"aggregated", report.commands[0])]
+
+        # Its Prometheus series show the same tick: target, prediction, observed latency.
+        scrape = {(m.name, tuple(sorted(m.labels.items()))): m.value
+                  for family in planner_registry(loop).collect() for m in family.samples}
+        assert scrape[("kvflow_planner_replicas", (("kind", "target"), ("pool", "aggregated")))] == target
+        assert scrape[("kvflow_planner_replicas", (("kind", "current"), ("pool", "aggregated")))] == 1
+        assert scrape[("kvflow_planner_predicted_requests_per_second", ())] == pytest.approx(50)
+        assert scrape[("kvflow_planner_observed_latency_seconds", (("metric", "itl"), ("statistic", "mean")))] \
+            == pytest.approx(0.030)
+        assert scrape[("kvflow_planner_sla_ttft_seconds", ())] == 0.5
 
         # The next window starts where the last one ended: only the 30 later rows.
         second = await loop.tick(T0 + 15_000 + 1_000)

@@ -8,7 +8,17 @@
     kvflow replay TRACE --mode offline --planner sla --ttft-ms 500 --itl-ms 50 [--predictor kalman]
                         [--adjustment-interval-s 60] [--min-workers 1] [--max-workers 16]
     kvflow replay TRACE --mode online  [--port P | --bootstrap-servers ... | --url http://...]
-    kvflow replay compare a.json b.json ...
+    kvflow replay compare a.json b.json ... [--plots DIR]   (DIR: CDF and load PNGs)
+    kvflow replay --from-topics --since -10m [--until now] [--policy round_robin] [--workers N]
+                  [--recorded-json recorded.json] [--json replayed.json] [--save-trace trace.jsonl]
+
+With ``--from-topics`` the trace is a running deployment's own log: the
+requests created in ``[--since, --until)``, read back from its topics
+(:mod:`kvflow.replay.from_log`), are replayed offline with the policy,
+worker count and planner given here (workers default to the number the
+recorded decisions routed to; the mocker's KV geometry to theirs), and the
+recorded run is summarised beside the replay (``--recorded-json`` writes it
+as a report for ``kvflow replay compare``).
 
 With ``--planner sla`` the offline run is sized by the SLA planner (starting
 from ``--workers``), and the same trace is also run on the static-peak pool
@@ -60,6 +70,7 @@ from kvflow.cli_options import (
     deprecated_alias,
     env_help,
     join_settings,
+    parse_time_ms,
     resolve_settings,
 )
 
@@ -69,7 +80,8 @@ _Hidden = Annotated[Optional[str], typer.Option(hidden=True)]
 
 
 def replay(
-    targets: Annotated[list[str], typer.Argument(help="TRACE file, or `compare` followed by JSON reports.")],
+    targets: Annotated[Optional[list[str]], typer.Argument(
+        help="TRACE file, or `compare` followed by JSON reports (none with --from-topics).")] = None,
     mode: Annotated[str, typer.Option(help="offline (simulated clock, no broker) | online (live deployment)")] = "offline",
     workers: Annotated[Optional[int], typer.Option(
         min=0, help="offline: simulated aggregated workers (with --planner sla: the starting pool); "
@@ -165,14 +177,49 @@ def replay(
     model: Annotated[str, typer.Option(help="online: model name to request")] = "SmolLM2-135M-Instruct",
     namespace: NamespaceOpt = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    from_topics: Annotated[bool, typer.Option(
+        help="offline: replay a running deployment's own log (its topics) instead of a trace file")] = False,
+    since: Annotated[str, typer.Option(
+        help="--from-topics: first request creation time (epoch ms, ISO 8601, '-10m', 'now')")] = "-1h",
+    until: Annotated[str, typer.Option(help="--from-topics: end of the window, exclusive")] = "now",
+    recorded_json: Annotated[Optional[Path], typer.Option(
+        help="--from-topics: write the recorded run's report here (for `kvflow replay compare`)")] = None,
+    save_trace: Annotated[Optional[Path], typer.Option(
+        help="--from-topics: keep the rebuilt trace (kvflow JSONL) here")] = None,
 ) -> None:
     """Replay a traffic trace and report TTFT, ITL, throughput, goodput and prefix hit rate."""
     from kvflow.replay import compare_reports, render_markdown, run_offline, run_online
 
+    targets = targets or []
+    if from_topics:
+        if targets or mode != "offline":
+            raise typer.BadParameter("--from-topics replays offline and takes no trace file")
+        settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
+                                 bootstrap_servers=bootstrap_servers, namespace=namespace)
+        recorded, trace_file = _from_topics(settings, parse_time_ms(since), parse_time_ms(until), save_trace,
+                                            sla_ttft_ms, sla_itl_ms, progress)
+        if recorded_json is not None:
+            from kvflow.replay.report import write_json
+
+            write_json(recorded, recorded_json)
+        typer.echo(f"recorded: {recorded.requests} requests, {recorded.workers} workers, policy {recorded.policy}, "
+                   f"prefix hit rate {recorded.prefix_hit_rate:.4f}")
+        targets = [str(trace_file)]
+        if workers is None:
+            workers = recorded.workers or 1
+    elif not targets:
+        raise typer.BadParameter("give a trace file, `compare a.json b.json ...`, or --from-topics")
     if targets[0] == "compare":
         if len(targets) < 2:
             raise typer.BadParameter("compare needs at least one JSON report")
         typer.echo(compare_reports(targets[1:]))
+        if plots is not None:
+            from kvflow.replay.plots import plot_comparison
+            from kvflow.replay.report import load_report
+
+            for path in plot_comparison([load_report(t) for t in targets[1:]], [Path(t).stem for t in targets[1:]],
+                                        plots):
+                typer.echo(f"wrote {path}")
         return
     if len(targets) != 1:
         raise typer.BadParameter("give one trace file (or `compare a.json b.json ...`)")
@@ -202,6 +249,13 @@ def replay(
         from kvflow.router.shedding import ShedConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
+        geometry = {}
+        if from_topics and recorded.block_size is not None:
+            # The simulated workers get the recorded workers' KV geometry, so blocks hash and evict alike.
+            geometry = {"block_size": recorded.block_size,
+                        **({"num_kv_blocks": recorded.total_kv_blocks // max(recorded.workers, 1)}
+                           if recorded.total_kv_blocks else {})}
+
         # The live router's settings, so the simulation routes as `kvflow up` would in this environment.
         settings = resolve_settings(routing_policy=policy, disagg_prefill_threshold_tokens=disagg_threshold_tokens,
                                     disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **kv_weights,
@@ -219,7 +273,7 @@ def replay(
                                  rate=rate, mocker_config=MockerConfig(
                                      speedup_ratio=speedup_ratio, kv_host_bytes=int(settings.kv_host_gb * (1 << 30)),
                                      kv_disk_bytes=int(settings.kv_disk_gb * (1 << 30)),
-                                     **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})),
+                                     **{**geometry, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})}),
                                  prefill_workers=prefill_workers, decode_workers=decode_workers,
                                  disagg=DisaggConfig.from_settings(settings),
                                  worker_startup_ms=worker_startup_s * 1000.0,
@@ -256,6 +310,39 @@ def replay(
     else:
         raise typer.BadParameter("--mode must be offline or online")
     typer.echo(render_markdown(report))
+    if from_topics:
+        from kvflow.replay.compare import compare
+
+        labels = ["recorded", f"replayed ({report.policy})"]
+        typer.echo(compare([recorded, report], labels))
+        if plots is not None:
+            from kvflow.replay.plots import plot_comparison
+
+            for path in plot_comparison([recorded, report], labels, plots):
+                typer.echo(f"wrote {path}")
+
+
+def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None, sla_ttft_ms: float,
+                 sla_itl_ms: float, progress: bool = True):
+    """Read the deployment's log for ``[since_ms, until_ms)``: the recorded run's
+    report and the trace file it was rebuilt into (``save_trace``, else a temporary file).
+
+    Raises:
+        typer.BadParameter: no request was created in the window.
+    """
+    import asyncio
+    import tempfile
+
+    from kvflow.replay.from_log import read_recorded, recorded_report, write_trace
+
+    run = asyncio.run(read_recorded(settings, since_ms, until_ms, progress=progress))
+    if not run.requests:
+        raise typer.BadParameter(f"no request was created in [{since_ms}, {until_ms}) on namespace "
+                                 f"{settings.namespace}")
+    path = save_trace or Path(tempfile.mkdtemp(prefix="kvflow-replay-")) / "topics.jsonl"
+    write_trace(run, path)
+    return recorded_report(run, trace=f"topics[{since_ms},{until_ms})", sla_ttft_ms=sla_ttft_ms,
+                           sla_itl_ms=sla_itl_ms), path
 
 
 def _pool_counts(spec: str | None) -> dict[str, int]:

@@ -278,7 +278,7 @@ async def run_online_async(
             sampler.cancel()
 
     wall0, epoch0 = time.perf_counter(), now_ms()
-    live.bar = _progress_bar(len(trace.requests), progress)
+    live.bar = _progress_bar(len(trace.requests), progress, "replaying")
     try:
         if url is not None:
             import httpx

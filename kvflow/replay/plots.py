@@ -11,7 +11,8 @@ import numpy as np
 
 from kvflow.replay.report import Report, RequestRecord
 
-__all__ = ["latency_samples", "plot_latency_cdfs", "plot_timeline", "plot_planner", "write_plots"]
+__all__ = ["latency_samples", "plot_latency_cdfs", "plot_timeline", "plot_planner", "write_plots",
+           "plot_comparison"]
 
 _CDF_POINTS = 2000  # a CDF drawn from this many quantiles looks the same as from millions of points
 
@@ -170,6 +171,48 @@ def write_plots(report: Report, samples: Mapping[str, np.ndarray], out_dir: str 
     paths = [plot_latency_cdfs(samples, out / "latency_cdf.png", title), plot_timeline(report, out / "timeline.png")]
     if report.planner is not None:
         paths.append(plot_planner(report, out / "planner.png"))
+    return paths
+
+
+def plot_comparison(reports: Sequence[Report], labels: Sequence[str], out_dir: str | Path) -> list[Path]:
+    """Write ``compare_cdf.png`` (TTFT, ITL and e2e CDFs of every report, from
+    their ``quantiles_ms``) and ``compare_load.png`` (prefix hit rate per report,
+    and requests per worker) into ``out_dir``; returns their paths."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    names = ("ttft", "itl", "e2e")
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    q = np.linspace(0.0, 1.0, 101)
+    for ax, name in zip(axes[0], names, strict=True):
+        for report, label in zip(reports, labels, strict=True):
+            xs = report.quantiles_ms.get(name)
+            if xs:
+                ax.plot(np.maximum(np.asarray(xs), 1e-3), q, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{name.upper()} (ms)")
+        ax.set_ylabel("fraction ≤ x")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{name.upper()} CDF")
+        ax.legend(fontsize=8)
+    paths = [_save(plt, fig, out / "compare_cdf.png")]
+
+    fig, (ax_hit, ax_load) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax_hit.bar(range(len(reports)), [r.prefix_hit_rate * 100 for r in reports], color="tab:blue")
+    ax_hit.set_xticks(range(len(reports)), labels, fontsize=8)
+    ax_hit.set_ylabel("prefix hit rate (%)")
+    ax_hit.set_ylim(0, 100)
+    ax_hit.set_title("prefix hit rate")
+    width = 0.8 / max(len(reports), 1)
+    for i, (report, label) in enumerate(zip(reports, labels, strict=True)):
+        counts = sorted((w.requests for w in report.per_worker), reverse=True)  # ids differ between runs
+        ax_load.bar(np.arange(len(counts)) + i * width, counts, width, label=label)
+    most = max((len(r.per_worker) for r in reports), default=0)
+    ax_load.set_xticks(np.arange(most) + width * (len(reports) - 1) / 2, [f"#{i + 1}" for i in range(most)])
+    ax_load.set_xlabel("workers, busiest first")
+    ax_load.set_ylabel("requests")
+    ax_load.set_title("requests per worker")
+    ax_load.legend(fontsize=8)
+    paths.append(_save(plt, fig, out / "compare_load.png"))
     return paths
 
 

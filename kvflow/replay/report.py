@@ -365,6 +365,9 @@ class Report(BaseModel):
     tier_hit_rates: dict[str, float] | None = None
     kv_tiers: dict[str, float] | None = None
     pools: dict[str, dict] | None = None
+    quantiles_ms: dict[str, list[float]] = {}
+    """``ttft``, ``itl`` and ``e2e`` latency at each percentile 0, 1, ..., 100 (101
+    values, ms; absent without samples): the CDFs ``kvflow replay compare --plots`` draws."""
 
 
 def latency_stats(values: Sequence[float] | np.ndarray) -> LatencyStats:
@@ -538,6 +541,9 @@ def build_report(
         sla_attainment=good / len(records) if records else 0.0,
         sla_attainment_ci95=_block_bootstrap([r.arrival_ms for r in records], met),
         shed=shed, queued=queued,
+        quantiles_ms={name: [round(float(v), 3) for v in np.quantile(np.asarray(vals, dtype=np.float64),
+                                                                    np.linspace(0, 1, 101))]
+                      for name, vals in (("ttft", ttft), ("itl", itl_gaps_ms), ("e2e", e2e)) if len(vals)},
     )
 
 

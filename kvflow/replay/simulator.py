@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import sys
 import time
 from array import array
 from collections import Counter, deque
@@ -318,12 +317,12 @@ class SimResult:
         return any(role != WorkerRole.aggregated.value for role in self.worker_roles.values())
 
 
-def _progress_bar(total: int, enabled: bool):
-    """A tqdm bar on stderr, disabled unless ``enabled`` and stderr is a TTY."""
-    from tqdm import tqdm
+def _progress_bar(total: int, enabled: bool, desc: str = "simulating"):
+    """Progress of ``total`` requests on stderr unless not ``enabled`` (:func:`kvflow.progress.progress`:
+    a bar on a terminal, periodic plain lines otherwise)."""
+    from kvflow.progress import progress
 
-    return tqdm(total=total, unit="req", desc="simulating", disable=not (enabled and sys.stderr.isatty()),
-                leave=False, mininterval=0.5)
+    return progress(total, desc, unit="req", enabled=enabled)
 
 
 class Simulation:

@@ -64,6 +64,12 @@ Faust agents (consumer group, so each record is handled once per group):
 The whole-topic projections skip the records these agents dead-letter, so
 each malformed record reaches the dead-letter topic once per deployment,
 however many router replicas and workers read it. No agent dies of one.
+
+Observability: each decision runs under a ``router route`` span continuing
+the trace in the request record's ``traceparent`` header, and the queue
+record it sends carries that span's context on to the worker
+(:mod:`kvflow.streams.tracing`); the app's Prometheus series are in
+:attr:`RouterApp.prom` (:mod:`kvflow.router.prometheus`).
 """
 
 from __future__ import annotations
@@ -74,10 +80,13 @@ import functools
 import logging
 import tempfile
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import faust
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from kvflow.router.core import Arrival, Cancelled, Decision, Effect, KvDumpNeeded, RouterCore, WorkerExpired
 from kvflow.router.disagg import DisaggConfig, routed_record
@@ -85,6 +94,7 @@ from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.pools import load_pool_grid
 from kvflow.router.projections import Follow, follow_topics
+from kvflow.router.prometheus import RouterExporter
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
 from kvflow.schemas import (
@@ -116,6 +126,7 @@ from kvflow.streams.fetch_wait import produced, wake_policy
 from kvflow.streams.kafka import bootstrap, fetch_wait_policy
 from kvflow.streams.kafka_security import faust_security
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
+from kvflow.streams.tracing import extract_context, inject_headers, tracer
 
 __all__ = ["RouterApp", "build_router_app"]
 
@@ -154,6 +165,8 @@ class RouterApp:
     orphans: Orphans = field(default_factory=Orphans)
     """Requests this replica routed, until their worker reports them finished
     (answered ``worker_lost`` if the worker expires first)."""
+    prom: RouterExporter | None = None
+    """The router's Prometheus series (:mod:`kvflow.router.prometheus`)."""
 
     @property
     def table(self) -> RoutingTable:
@@ -218,7 +231,10 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         stream_wait_empty=False,
         **faust_security(settings),
     )
-    state = RouterApp(app=app, core=core, settings=settings, catalog=catalog, router_id=router_id, policy=policy)
+    state = RouterApp(app=app, core=core, settings=settings, catalog=catalog, router_id=router_id, policy=policy,
+                      prom=RouterExporter(router_id, policy))
+    prom = state.prom
+    prom.attach(state)
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
@@ -229,6 +245,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
     control_topic = app.topic(catalog.control.name, partitions=catalog.control.partitions, **raw)
     counters = core.counters
+    held_traces: OrderedDict[str, otel_context.Context] = OrderedDict()  # trace context of each queued request
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
         counters["dead_lettered"] += 1
@@ -278,6 +295,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         except BlockSizeMismatch as exc:
             log.error("refusing KV events of %s: %s", batch.worker_id, exc)
             return
+        prom.on_kv_batch(batch.ts_ms, now_ms())
         state.kv_progress.set()
         if dump is not None:
             await request_dump(dump.worker_id)
@@ -332,11 +350,15 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             except RecordError as exc:
                 await dead_letter(event, str(exc))
                 continue
-            try:
-                await route_one(request)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the router
-                log.exception("routing %s failed", request.request_id)
-                await dead_letter(event, f"routing failed: {exc!r}")
+            # The request's trace continues here (its traceparent header) and goes on to the worker.
+            with tracer().start_as_current_span("router route", context=extract_context(event.message.headers),
+                                                kind=trace.SpanKind.CONSUMER) as span:
+                span.set_attribute("kvflow.request_id", request.request_id)
+                try:
+                    await route_one(request)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the router
+                    log.exception("routing %s failed", request.request_id)
+                    await dead_letter(event, f"routing failed: {exc!r}")
 
     async def route_one(request: InferenceRequest) -> None:
         for wait in state.projection_waits:  # traffic: keep the load and cache views fresh
@@ -346,9 +368,11 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(state.workers_caught_up.wait(),
                                                       state.inflight_caught_up.wait()), 5.0)
-        if core.uses_events:
-            await wait_for_finished_kv()
-        await carry_out(core.route(Arrival.of(request), now_ms()))
+        with prom.decide.labels(router_id).time():
+            if core.uses_events:
+                await wait_for_finished_kv()
+            decision = core.route(Arrival.of(request), now_ms())
+        await carry_out(decision)
 
     async def wait_for_finished_kv() -> None:
         # The index should hold the KV events published before the finish records folded so far.
@@ -382,6 +406,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             await request_dump(effect.worker_id)
         elif isinstance(effect, Cancelled):
             request: InferenceRequest = effect.arrival.payload
+            held_traces.pop(request.request_id, None)
             final = FinalResponse(request_id=request.request_id, finish_reason=FinishReason.abort,
                                   attempt=request.attempt)
             await app.producer.send(request.reply_to.topic, request.request_id.encode(), encode(final),
@@ -391,11 +416,22 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         for worker_id in decision.expired:
             await answer_lost(worker_id)
         request: InferenceRequest = decision.arrival.payload
+        span = trace.get_current_span()  # the request's "router route" span (none for a request leaving the queue)
+        span.set_attribute("kvflow.outcome", decision.outcome.value)
+        if decision.outcome is DecisionOutcome.queued:
+            held_traces[request.request_id] = otel_context.get_current()  # its worker record continues this trace
+            held_traces.move_to_end(request.request_id)
+            while len(held_traces) > settings.shed_queue_capacity:
+                held_traces.popitem(last=False)
+        trace_ctx = held_traces.pop(request.request_id, None) if decision.outcome is not DecisionOutcome.queued \
+            else None
         if decision.outcome is DecisionOutcome.routed:
             placement, target = decision.placement, decision.target
+            span.set_attribute("kvflow.worker_id", placement.decision.worker_id)
+            span.set_attribute("kvflow.overlap_blocks", placement.decision.overlap_blocks)
             record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
             await app.producer.send(target.queue_topic, request.request_id.encode(), encode(record),
-                                    target.queue_partition, None, None)
+                                    target.queue_partition, None, inject_headers(trace_ctx))
             produced(target.queue_topic, target.queue_partition)  # its worker may be parked in a long poll
             state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
                                       placement.decision.prefill_worker_id, request.reply_to, request.attempt))
@@ -403,6 +439,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             error = decision.error
             await send_error(request.request_id, request.reply_to, request.attempt, error.message,
                              status=error.status, code=error.code, retry_after_s=error.retry_after_s)
+        prom.on_decision(decision)
         await publish_decision(decision)
         for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
             await carry_out_decision(shed_one)

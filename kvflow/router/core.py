@@ -430,15 +430,16 @@ class RouterCore:
             self.table.pools = None
         return replace(decision, pools=choice)
 
-    def _enter_pools(self, arrival: Arrival) -> PoolChoice:
+    def _enter_pools(self, arrival: Arrival, count: bool = True) -> PoolChoice:
         """Restrict the table's candidates to the pools the grid picks for ``arrival``
-        (every pool when its decode pool has no serving worker of the model)."""
+        (every pool when its decode pool has no serving worker of the model; ``count``:
+        in ``pool_fallbacks``)."""
         grid, table = self.pool_grid, self.table
         choice = grid.choose(arrival.isl, arrival.max_tokens, arrival.ttft_target_ms, arrival.itl_target_ms)
         table.pools = (choice.prefill, choice.decode)
         if not table.candidates(arrival.model, decode_role(table, arrival.model)):
             table.pools = None
-            self.counters["pool_fallbacks"] += 1
+            self.counters["pool_fallbacks"] += count
             return PoolChoice(choice.prefill, choice.decode, fallback=True)
         return choice
 
@@ -483,6 +484,26 @@ class RouterCore:
         self.counters["shed"] += 1
         return Decision(DecisionOutcome.shed, arrival, role, now_ms, reason=reason, expired=expired,
                         error=ErrorReply(503, "overloaded", reason, verdict.retry_after_s))
+
+    def evaluate(self, arrival: Arrival, now_ms: int) -> Placement | None:
+        """The placement the policy would choose for ``arrival`` at ``now_ms``,
+        changing nothing the next decision reads (no expiry, shedding, queue
+        or in-flight counting; a stateful policy such as round-robin still
+        advances its own cursor). A shadow router asks this. ``None``: no
+        serving worker of the model. With a pool grid, within the pools it picks.
+        """
+        if self.pool_grid is not None:
+            self._enter_pools(arrival, count=False)
+        try:
+            role = decode_role(self.table, arrival.model)
+            candidates = self.table.candidates(arrival.model, role)
+            if not candidates:
+                return None
+            return self._place(arrival, role, candidates, now_ms)
+        except NoWorkerAvailable:
+            return None
+        finally:
+            self.table.pools = None
 
     def tick(self, now_ms: int) -> list[Effect]:
         """Periodic work at ``now_ms``, as effects in order: workers past their
@@ -537,19 +558,11 @@ class RouterCore:
                   free: Sequence[WorkerView], now_ms: int, expired: tuple[str, ...] = ()) -> Decision:
         """Place ``arrival`` among ``free`` (the candidates that are not busy) and count it."""
         table = self.table
-        hashes: Sequence[int] = ()
-        if self.needs_hashes and candidates:
-            hashes = arrival.block_hashes
-            if hashes is None:
-                tokens = arrival.token_ids
-                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
-        req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
-                           arrival.created_ms or now_ms)
         if len(free) != len(candidates):  # the policy must not see a busy worker
             free_ids = {w.worker_id for w in free}
             table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)
         try:
-            placement = place(self.policy, req, table, self.disagg_config, role)
+            placement = self._place(arrival, role, candidates, now_ms)
         except NoWorkerAvailable as exc:
             self.counters["rejected"] += 1
             return Decision(DecisionOutcome.rejected, arrival, role, now_ms, reason=str(exc), expired=expired,
@@ -575,6 +588,22 @@ class RouterCore:
         self.counters["routed"] += 1
         return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired,
                         session_hit=session_hit)
+
+    def _place(self, arrival: Arrival, role: WorkerRole, candidates: list[WorkerView], now_ms: int) -> Placement:
+        """The policy's placement of ``arrival`` over the table's candidates (busy ones already marked).
+
+        Raises:
+            NoWorkerAvailable: no worker of the model and role.
+        """
+        hashes: Sequence[int] = ()
+        if self.needs_hashes and candidates:
+            hashes = arrival.block_hashes
+            if hashes is None:
+                tokens = arrival.token_ids
+                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
+        req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
+                           arrival.created_ms or now_ms)
+        return place(self.policy, req, self.table, self.disagg_config, role)
 
     def _release(self, now_ms: int, effects: list[Effect]) -> None:
         """Shed held requests past their deadline, then release the others in queue order."""

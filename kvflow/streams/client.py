@@ -84,6 +84,7 @@ from kvflow.streams.fetch_wait import produced, wake
 from kvflow.streams.follow import MIGRATABLE, Emit, Follower, Resubmit, StreamCursor
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.resume import StreamNotFound, Tick, read_request_records
+from kvflow.streams.tracing import inject_headers
 
 __all__ = ["KvflowClient", "ResponseStream", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE",
            "StreamCursor", "StreamNotFound", "CANCEL_TIMEOUT_S"]
@@ -343,10 +344,11 @@ class KvflowClient:
         ``key`` (default: the request id) picks the requests partition;
         requests sharing a key reach the router in the order sent. A request
         without ``deadline_ms`` is sent with the default one (:meth:`with_deadline`).
+        The record carries the current trace context (:mod:`kvflow.streams.tracing`).
         """
         wake(self._consumer)  # its answer will arrive on this client's slot: poll fast
         await self._producer.send_and_wait(self.catalog.requests.name, encode(self.with_deadline(request)),
-                                           key=(key or request.request_id).encode())
+                                           key=(key or request.request_id).encode(), headers=inject_headers())
         produced(self.catalog.requests.name)  # a router in this process may be parked in a long poll
 
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_cancelled, *,

@@ -25,16 +25,19 @@ record after a quiet spell therefore pays up to the current wait on each hop
 whose consumer was idle (at most ``idle_ms`` after a long one); under
 traffic every hop runs at ``active_ms``.
 
-A consumer parked in a long poll can be woken from its own process:
-:func:`wake` / :func:`wake_policy` (a request was just sent whose answer or
-side effects this consumer will read) and :func:`produced` (this process
-just wrote to a topic the consumer reads) cut its in-flight fetch short, by
-cancelling it and closing its connection (the broker answers a connection's
-requests in order, so a new fetch on it would queue behind the parked one);
-the next fetch goes out at once on a fresh connection. So the projections a
-decision is checked against and a same-process hop pay nothing for the idle
-wait; only a hop between processes pays it, once, on the first record after
-a quiet spell.
+A consumer parked in a long poll can be woken: :func:`wake` /
+:func:`wake_policy` (a request was just sent whose answer or side effects
+this consumer will read) and :func:`produced` (a record was just written to
+a topic the consumer reads) cut its in-flight fetch short, by cancelling it
+and closing its connection (the broker answers a connection's requests in
+order, so a new fetch on it would queue behind the parked one); the next
+fetch goes out at once on a fresh connection. :func:`produced` also rings
+the other processes of the host (:mod:`kvflow.streams.doorbell`), which run
+:func:`woken` for their own consumers. A seek or offset reset cuts a parked
+fetch too (aiokafka sends it only after the fetch in flight). So only a hop
+that no writer rings pays the idle wait, once, on the first record after a
+quiet spell; ``busy`` (e.g. a client with streams in flight) keeps a
+consumer from parking at all.
 
 :func:`install` attaches a policy to a started aiokafka consumer; the fetcher
 hook (:func:`patch_fetcher`) reads it. Consumers without a policy keep their

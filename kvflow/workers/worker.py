@@ -45,6 +45,12 @@ Engine admin: the worker also reads the whole control topic (from its end)
 and applies the sleep, wake and clear-KV commands naming it
 (:mod:`kvflow.workers.admin`); while asleep it heartbeats ``sleeping`` and
 takes nothing from its queue.
+
+Observability: each request is served under a ``worker serve`` span (child
+of the router's, from the queue record's ``traceparent`` header) with an
+``engine generate`` child (:mod:`kvflow.streams.tracing`); the worker's
+Prometheus series (:mod:`kvflow.workers.prometheus`) are served on
+``settings.metrics_port`` when it is set.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
+from opentelemetry import trace
 
 from kvflow.schemas import (
     AdminCommand,
@@ -94,10 +101,12 @@ from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
+from kvflow.workers.prometheus import WorkerExporter
 from kvflow.workers.stops import StopChecker
 
 __all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED"]
@@ -193,6 +202,8 @@ class Worker:
         self.queue_paused = False  # asleep (admin): take nothing from the queue
         self.admin_lock = asyncio.Lock()  # one admin command at a time
         self._admin_tasks: set[asyncio.Task] = set()
+        self.prom = WorkerExporter(self)
+        self.metrics_server = None  # kvflow.streams.metrics_server.MetricsServer while serving /metrics
 
     # lifecycle -------------------------------------------------------------
 
@@ -215,6 +226,12 @@ class Worker:
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
         await self._heartbeat()
+        if self.settings.metrics_port is not None:
+            from kvflow.streams.metrics_server import serve_metrics
+
+            self.metrics_server = await serve_metrics([self.prom.registry], self.settings.metrics_host,
+                                                      self.settings.metrics_port)
+            log.info("worker %s metrics at %s", self.config.worker_id, self.metrics_server.url)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._kv_publisher(), name="kv-events"),
@@ -308,6 +325,8 @@ class Worker:
             await self._transport.close()
         await self.consumer.stop()
         await self.producer.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.served)
 
     # request path ------------------------------------------------------------
@@ -333,7 +352,8 @@ class Worker:
                 early = self.early_cancels.pop(request.request_id, None)
                 if early is not None:
                     self._count_cancel(early)  # its cancel overtook it; _serve answers it at once
-                task = asyncio.create_task(self._serve(request), name=f"req-{request.request_id}")
+                task = asyncio.create_task(self._serve(request, extract_context(msg.headers)),
+                                           name=f"req-{request.request_id}")
                 self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
             if records:
                 await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
@@ -357,8 +377,10 @@ class Worker:
 
     async def send_to(self, topic: str, partition: int, key: bytes, record: Any) -> None:
         """Produce ``record`` to ``topic[partition]`` (waits for the broker's ack,
-        so a forwarded request is durable before this worker lets go of it)."""
-        await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition)
+        so a forwarded request is durable before this worker lets go of it),
+        with the current trace context in its headers."""
+        await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition,
+                                          headers=inject_headers())
 
     async def kv_transport(self) -> KvTransport:
         """This worker's KV transport, started on first use (NIXL or TCP, see
@@ -375,7 +397,15 @@ class Worker:
                 self._transport = transport
         return self._transport
 
-    async def _serve(self, request: InferenceRequest) -> None:
+    async def _serve(self, request: InferenceRequest, parent: Any = None) -> None:
+        """Serve one request under a ``worker serve`` span, child of ``parent``
+        (the trace context of its queue record; None: a new trace)."""
+        with tracer().start_as_current_span("worker serve", context=parent, kind=trace.SpanKind.CONSUMER) as span:
+            span.set_attribute("kvflow.request_id", request.request_id)
+            span.set_attribute("kvflow.worker_id", self.config.worker_id)
+            await self._serve_traced(request)
+
+    async def _serve_traced(self, request: InferenceRequest) -> None:
         received = now_ms()
         timer = self._deadline_timer(request)
         try:
@@ -574,24 +604,28 @@ class Worker:
             raise EngineError(str(exc)) from exc
         if stage is not None and request.prompt_embeds is not None:
             raise EngineError("prompt embeddings are served by aggregated workers only")
-        if isinstance(stage, PrefillStage):
-            await disagg.serve_prefill(self, request, stage, received_ms)
-            return
-        if isinstance(stage, DecodeStage):
-            await disagg.serve_decode(self, request, stage, received_ms)
-            return
-        prompt_ids = self.prompt_ids(request)
-        embeds = None
-        if request.prompt_embeds is not None:
-            if not self.engine.accepts_prompt_embeds:
-                raise EngineError(f"the {self.engine.name} engine takes no prompt embeddings")
-            from kvflow.workers.prompt_embeds import to_tensor
+        with tracer().start_as_current_span("engine generate") as span:
+            span.set_attribute("kvflow.engine", self.engine.name)
+            if isinstance(stage, PrefillStage):
+                span.set_attribute("kvflow.stage", "prefill")
+                await disagg.serve_prefill(self, request, stage, received_ms)
+                return
+            if isinstance(stage, DecodeStage):
+                span.set_attribute("kvflow.stage", "decode")
+                await disagg.serve_decode(self, request, stage, received_ms)
+                return
+            prompt_ids = self.prompt_ids(request)
+            embeds = None
+            if request.prompt_embeds is not None:
+                if not self.engine.accepts_prompt_embeds:
+                    raise EngineError(f"the {self.engine.name} engine takes no prompt embeddings")
+                from kvflow.workers.prompt_embeds import to_tensor
 
-            embeds = to_tensor(request.prompt_embeds)
-        gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                              sampling=request.sampling, lora_name=request.lora_name,
-                              resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
-        await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
+                embeds = to_tensor(request.prompt_embeds)
+            gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                                  sampling=request.sampling, lora_name=request.lora_name,
+                                  resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
+            await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],
                              outputs: AsyncIterator[EngineOutput], received_ms: int, started_ms: int, *,
@@ -625,6 +659,8 @@ class Worker:
         buf_ids: list[int] = []
         buf_text: list[str] = []
         buf_since = 0.0
+        timer = self.prom.track()
+        timer.started_s -= max(0, now_ms() - received_ms) / 1000  # TTFT counts from the queue record's arrival
 
         async def flush() -> None:
             nonlocal index
@@ -641,6 +677,7 @@ class Worker:
                 if not first_ms:
                     first_ms = now_ms()
                     cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                timer.output(len(out.token_ids), prompt_tokens=len(prompt_ids), cached_tokens=cached)
                 output_ids.extend(out.token_ids)
                 text, stopped = stops.feed(detok.add(out.token_ids))
                 if stopped:
@@ -668,6 +705,7 @@ class Worker:
                     break
         await flush()
         expired = finish is FinishReason.abort and self._expired(request.request_id)
+        timer.finish((FinishReason.error if expired else finish).value)
         final = FinalResponse(
             request_id=request.request_id, text="".join(text_parts), token_ids=output_ids,
             finish_reason=FinishReason.error if expired else finish,
@@ -677,6 +715,10 @@ class Worker:
             worker_id=self.config.worker_id, routing=request.routing, kv_transfer=kv_transfer,
             error=self._deadline_error(request) if expired else None,
         )
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        span.set_attribute("gen_ai.usage.output_tokens", len(output_ids))
+        span.set_attribute("kvflow.cached_tokens", cached)
         # Routers learn the worker is free before the client learns the answer: a client
         # that sends its next request on receipt is routed with this one counted as done.
         await self._publish_finished(request, self.is_cancelled(request.request_id))

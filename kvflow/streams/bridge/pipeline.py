@@ -41,6 +41,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import Request, Response
+from opentelemetry import trace
 
 from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, ReplyTo, RequestKind, TokenDelta, now_ms
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -78,6 +79,7 @@ from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
 from kvflow.streams.bridge.worker_registry import ModelState
 from kvflow.streams.client import RequestTimeout, StreamCursor, StreamNotFound
+from kvflow.streams.tracing import TRACE_ID_HEADER, trace_id_hex, tracer
 
 __all__ = ["ENDPOINTS", "LAST_EVENT_ID", "Prepared", "prepare", "prepare_parsed", "serve", "next_record"]
 
@@ -380,15 +382,33 @@ def _open(state: BridgeState, p: Prepared, resume: EventId | None) -> Events:
 async def serve(state: BridgeState, http_request: Request, kind: RequestKind) -> Response:
     """Answer one inference request: JSON object, SSE stream, or OpenAI error.
 
+    The request's trace (:mod:`kvflow.streams.tracing`) starts here: its
+    span is current while the request record is sent (so the record carries
+    its ``traceparent``), ends when the answer is complete (a stream: at its
+    last event), and its trace id is returned in the ``X-Trace-Id`` header.
+
     Never raises for client mistakes; unexpected exceptions propagate to the
     app's last-resort handler (500).
     """
+    span = tracer().start_span(f"bridge {ENDPOINTS[kind]}")  # under the HTTP server's span, if it makes one
+    with trace.use_span(span, end_on_exit=False, record_exception=False):
+        response = await _serve(state, http_request, kind, span)
+    trace_id = trace_id_hex(span)
+    if trace_id is not None:
+        response.headers[TRACE_ID_HEADER] = trace_id
+    return response
+
+
+async def _serve(state: BridgeState, http_request: Request, kind: RequestKind, span: trace.Span) -> Response:
+    def finished() -> None:
+        release(state)
+        span.end()
+
     if not admit(state):
-        observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics)
+        observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics, on_finish=span.end)
         observer.finish(503, "overloaded")
         return error_response(overloaded(1.0))
-    observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics,
-                               on_finish=functools.partial(release, state))
+    observer = RequestObserver(state.metrics, ENDPOINTS[kind], state.publish_metrics, on_finish=finished)
     events: Events | None = None
     request_id = ""
     attachment: Attachment | None = None
@@ -397,6 +417,8 @@ async def serve(state: BridgeState, http_request: Request, kind: RequestKind) ->
         observer.replay = resume is not None
         p = await prepare(state, http_request, kind, resume)
         request_id = p.request.request_id
+        span.set_attribute("kvflow.request_id", request_id)
+        span.set_attribute("gen_ai.request.model", p.body.model)
         embeds = p.request.prompt_embeds
         observer.submitted(request_id, p.body.model, embeds.seq_len if embeds else len(p.request.token_ids or ()))
         if resume is not None and p.body.stream:
