@@ -133,3 +133,12 @@ def test_offline_replay_reports_each_pool(tmp_path, grid):
                          pool_workers={LL: 1, LC: 1})
     assert report.pools[LC]["completed"] == 6 and report.pools[LL]["completed"] == 24
     assert "| long-context | 6 |" in render_markdown(report)
+
+
+def test_evaluate_decides_within_the_pools_and_counts_nothing(grid):
+    core = RouterCore("least_loaded", pools=grid)
+    for i, (wid, pool) in enumerate((("ll-0", LL), ("lc-0", LC))):
+        core.on_heartbeat(hb(wid, pool, i))
+    assert core.evaluate(arrival("l", 9_000), 2_000).decision.worker_id == "lc-0"
+    assert core.evaluate(arrival("s", 500), 2_001).decision.worker_id == "ll-0"
+    assert core.table.pools is None and core.counters["routed"] == 0
