@@ -591,6 +591,41 @@ def explain(
     typer.echo("\n\n".join(render_decision(r) for r in records))
 
 
+@app.command("eplb")
+def eplb(
+    model: Annotated[str, typer.Option(help="The MoE model the placement is for (the record's key).")],
+    loads: Annotated[Path, typer.Option(help="Per-expert loads: JSON {\"load\": [[...]]} or .npy, [layers, experts].")],
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs of the expert-parallel group.")],
+    slots: Annotated[int, typer.Option(min=1, help="Physical experts per GPU (spare slots hold replicas).")],
+    groups: Annotated[int, typer.Option(min=1, help="Expert groups (hierarchical when nodes divide them).")] = 1,
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes the GPUs are spread over.")] = 1,
+    interval_s: Annotated[float, typer.Option(min=0.1, help="Seconds between recomputations.")] = 60.0,
+    once: Annotated[bool, typer.Option(help="Publish one placement and exit.")] = False,
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """EPLB: recompute MODEL's expert placement from LOADS every interval and publish it on the
+    expert-placement topic (kvflow/planner/eplb.py documents the map)."""
+    from kvflow.planner.eplb_job import EplbJob, run_eplb_job
+
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
+    job = EplbJob(model=model, loads_path=str(loads), num_gpus=gpus, slots_per_gpu=slots, num_groups=groups,
+                  num_nodes=nodes, interval_s=interval_s)
+    try:
+        job.compute(0)  # fail fast on a bad file or layout
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        published = asyncio.run(run_eplb_job(settings, job, once=once))
+    except KeyboardInterrupt:
+        return
+    typer.echo(f"published {published} placement(s) of {model}")
+
+
 @app.command("planner")
 def planner_cmd(
     ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms.")] = 500.0,

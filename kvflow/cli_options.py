@@ -85,7 +85,8 @@ ShedModeOpt = Annotated[Optional[str], typer.Option(
 ShedQueueCapacityOpt = Annotated[Optional[int], typer.Option(
     min=1, help=env_help("shed_queue_capacity", "Most requests the router holds with --shed-mode queue."))]
 ShedQueueOrderOpt = Annotated[Optional[str], typer.Option(
-    help=env_help("shed_queue_order", "Release order of held requests: fcfs | sjf (shortest prompt first)."))]
+    help=env_help("shed_queue_order", "Release order of held requests: fcfs | sjf (shortest prompt first) | "
+                                       "priority (class, tenant fair share, earliest deadline)."))]
 ShedKvThresholdOpt = Annotated[Optional[float], typer.Option(
     help=env_help("shed_kv_threshold", "A worker is busy when this fraction of its KV blocks is in use."))]
 ShedPrefillTokenThresholdOpt = Annotated[Optional[int], typer.Option(

@@ -278,6 +278,37 @@ class Settings(BaseSettings):
     """``kvflow worker``: its id (``--worker-id``); ``None``: generated.
     Defaults to ``None``."""
 
+    mocker_spec_num_draft_tokens: int = Field(default=0, ge=0, le=255)
+    """Mocker workers: draft tokens proposed per request per decode step
+    (speculative decoding, modelled); 0 = off. Defaults to 0."""
+
+    mocker_spec_acceptance_rate: float = Field(default=0.7, ge=0.0, le=1.0)
+    """Mocker workers: probability that a draft token is accepted. Defaults to 0.7."""
+
+    mocker_spec_draft_cost_ratio: float = Field(default=0.0, ge=0.0)
+    """Mocker workers: a draft pass's cost as a fraction of a target decode
+    pass (0: prompt lookup). Defaults to 0.0."""
+
+    hf_spec_ngram_tokens: int = Field(default=0, ge=0, le=64)
+    """hf workers: draft tokens per step of prompt-lookup speculative decoding
+    (used while one greedy request decodes; :mod:`kvflow.workers.engines.hf`);
+    0 = off. Defaults to 0."""
+
+    vllm_speculative_config: dict[str, Any] | None = None
+    """vLLM workers: vLLM's ``speculative_config``, passed through (JSON in the
+    environment, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3}``). Defaults to ``None`` (off)."""
+
+    worker_pool: str = Field(default="", max_length=64)
+    """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
+    ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""
+
+    router_pool_grid: str | None = None
+    """Path of the global router's pool grid (TOML or JSON,
+    :mod:`kvflow.router.pools`; example ``examples/pools.toml``): each
+    request is routed within the prefill and decode pools the grid picks by
+    its ISL, context length and SLA hints. ``None``: one pool. Defaults to ``None``."""
+
     disagg_prefill_threshold_tokens: int = Field(default=1000, ge=0)
     """Prefill remotely only when the uncached prompt is longer than this
     (tokens). Defaults to 1000 (Dynamo's default)."""
@@ -327,8 +358,26 @@ class Settings(BaseSettings):
     shed_queue_capacity: int = Field(default=256, ge=1)
     """Most requests the router holds in ``queue`` mode. Defaults to 256."""
 
-    shed_queue_order: Literal["fcfs", "sjf"] = "fcfs"
-    """Release order of held requests: arrival, or shortest prompt first. Defaults to ``fcfs``."""
+    shed_queue_order: Literal["fcfs", "sjf", "priority"] = "fcfs"
+    """Release order of held requests: arrival, shortest prompt first, or
+    ``priority`` (priority class, then per-tenant fair share, then earliest
+    deadline; a full queue sheds the lowest class first, see
+    :mod:`kvflow.router.fair_queue`). Defaults to ``fcfs``."""
+
+    shed_reserve_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of the busy thresholds (``shed_kv_threshold``,
+    ``shed_prefill_token_threshold``) held back for requests of priority
+    ``shed_reserve_priority`` and above: lower classes find a worker busy
+    that much earlier. Defaults to 0.0 (no reserve)."""
+
+    shed_reserve_priority: int = 1
+    """The lowest priority class ``shed_reserve_fraction`` is kept for. Defaults to 1."""
+
+    router_session_margin: float | None = Field(default=0.25, ge=0.0)
+    """Session affinity: a request with a session id goes to its session's
+    last worker while the policy scores that worker at most this fraction
+    (of the best score, at least 1 cost unit) worse than its choice
+    (:mod:`kvflow.router.affinity`); ``None`` turns affinity off. Defaults to 0.25."""
 
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of this process's Prometheus ``/metrics`` (a worker's, or the

@@ -560,3 +560,37 @@ async def test_client_disconnect_stops_reading_the_stream():
         (rec,) = published
         assert not rec.ok and rec.osl < 200
 
+
+
+def test_serving_class_from_body_headers_and_api_key():
+    from starlette.datastructures import Headers
+
+    from kvflow.streams.bridge.errors import BridgeError
+    from kvflow.streams.bridge.serving_class import serving_class, tenant_of
+
+    h = Headers({"Authorization": "Bearer sk-one", "X-Priority": "3", "X-Session-Id": "chat-9"})
+    c = serving_class(h, None, None)
+    assert (c.priority, c.session_id) == (3, "chat-9")
+    assert c.tenant == tenant_of("sk-one") and c.tenant.startswith("t-") and "sk-one" not in c.tenant
+    assert tenant_of("sk-one") != tenant_of("sk-two")
+    body_wins = serving_class(h, 0, "mine")
+    assert (body_wins.priority, body_wins.session_id) == (0, "mine")
+    assert serving_class(Headers({}), None, None) == type(c)(0, None, None)
+    for bad in ({"X-Priority": "high"}, {"X-Priority": str(2**31)}, {"X-Session-Id": "x" * 257}):
+        with pytest.raises(BridgeError) as err:
+            serving_class(Headers(bad), None, None)
+        assert err.value.status == 400
+
+
+def test_serving_class_reaches_the_request_record():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "priority": 2, "session_id": "s1", "ttft_target_ms": 300,
+                                                 "itl_target_ms": 20})
+    req = to_inference_request(body, request_id="chatcmpl-1", reply_to=REPLY_TO, token_ids=[1, 2],
+                               created_ms=1_000, timeout_s=10.0, messages=chat_messages(body), tenant="t-abc")
+    assert (req.priority, req.session_id, req.tenant) == (2, "s1", "t-abc")
+    assert (req.ttft_target_ms, req.itl_target_ms) == (300, 20)
+    req = to_inference_request(body, request_id="chatcmpl-2", reply_to=REPLY_TO, token_ids=[1, 2],
+                               created_ms=1_000, timeout_s=10.0, messages=chat_messages(body), priority=5,
+                               session_id="s2")
+    assert (req.priority, req.session_id, req.tenant) == (5, "s2", None)

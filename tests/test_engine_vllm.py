@@ -426,3 +426,24 @@ async def test_eviction_and_cache_reset_reach_kvflow_as_removed_and_cleared(vllm
     await _run(eng, "v-3-after", [1, 2, 3], max_tokens=1, temperature=0.0)
     await _wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in eng.test_events))
     assert eng.dump_kv_events() == []
+
+
+def test_speculative_config_passes_through_and_its_counters_are_summed():
+    from types import SimpleNamespace
+
+    from kvflow.workers.engines.vllm import _Load
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    args, _ = vllm_engine_args(EngineConfig(), VllmOptions(speculative_config=spec), device_type="cuda",
+                               arg_names=NEW_ARGS)
+    assert args["speculative_config"] == spec
+    assert "speculative_config" not in vllm_engine_args(EngineConfig(), VllmOptions(), device_type="cuda",
+                                                        arg_names=NEW_ARGS)[0]
+    load = _Load()
+    for drafts, accepted in ((8, 5), (4, 1)):
+        stats = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1,
+                                spec_decoding_stats=SimpleNamespace(num_drafts=2, num_draft_tokens=drafts,
+                                                                    num_accepted_tokens=accepted))
+        load.record(stats, None)
+    load.record(SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0), None)
+    assert (load.spec_drafts, load.spec_draft_tokens, load.spec_accepted_tokens) == (4, 12, 6)

@@ -177,3 +177,82 @@ async def test_queue_mode_holds_requests_releases_them_and_drops_cancelled_ones(
     finally:
         await producer.stop()
         await r.app.stop()
+
+
+async def test_priority_queue_displaces_the_low_class_and_records_the_serving_class(kafka, waiter):
+    from kvflow.schemas import DecisionOutcome
+    from kvflow.streams.explain import read_decisions
+
+    settings, catalog = kafka
+    update = {"shed_mode": "queue", "shed_kv_threshold": 0.5, "shed_queue_capacity": 1, "shed_queue_order": "priority"}
+    r = build_router_app(settings.model_copy(update=update), catalog, policy="round_robin")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        busy = heartbeat(catalog, "w1", 5).model_copy(update={"kv_used_blocks": 60, "ttl_ms": 120_000})
+        await producer.send_and_wait(catalog.workers.name, encode(busy), key=b"w1")
+        await waiter(lambda: "w1" in r.table.workers)
+        for rid, priority, partition in (("low", 0, 5), ("high", 2, 6)):
+            req = InferenceRequest(request_id=rid, model="m", prompt="x", priority=priority, tenant="t-1",
+                                   session_id="s-1",
+                                   reply_to=ReplyTo(topic=catalog.responses.name, partition=partition))
+            await producer.send_and_wait(catalog.requests.name, encode(req), key=rid.encode())
+            await waiter(lambda rid=rid: r.counters["queued"] == (1 if rid == "low" else 2))
+        [msg] = await read_partition(settings, catalog.responses.name, 5, 1)
+        final = decode(ResponseEvent, msg.value)
+        assert final.request_id == "low" and final.error.code == "overloaded" and final.error.status == 503
+        assert r.counters["displaced"] == 1 and len(r.queue) == 1
+
+        free = heartbeat(catalog, "w1", 5, ts=max(now_ms(), busy.ts_ms + 1))
+        await producer.send_and_wait(catalog.workers.name, encode(free), key=b"w1")
+        [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 5, 1)
+        routed = decode(InferenceRequest, msg.value)
+        assert (routed.request_id, routed.priority, routed.tenant, routed.session_id) == ("high", 2, "t-1", "s-1")
+        records: list = []
+        for _ in range(20):  # decision records are sent without waiting for the broker's ack
+            records = await read_decisions(settings, "high", catalog, idle_ms=300)
+            if len(records) >= 2:
+                break
+        assert [d.outcome for d in records] == [DecisionOutcome.queued, DecisionOutcome.routed]
+        assert all(d.priority == 2 and d.tenant == "t-1" for d in records)
+    finally:
+        await producer.stop()
+        await r.app.stop()
+
+
+async def test_pool_grid_routes_long_prompts_to_the_long_context_pool(kafka, waiter, tmp_path):
+    from pathlib import Path
+
+    from kvflow.streams.explain import read_decisions
+
+    settings, catalog = kafka
+    grid = Path(__file__).resolve().parents[1] / "examples" / "pools.toml"
+    r = build_router_app(settings.model_copy(update={"router_pool_grid": str(grid)}), catalog,
+                         policy="least_loaded")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for wid, slot, pool in (("ll", 7, "low-latency"), ("lc", 8, "long-context")):
+            hb = heartbeat(catalog, wid, slot).model_copy(update={"pool": pool, "ttl_ms": 120_000})
+            await producer.send_and_wait(catalog.workers.name, encode(hb), key=wid.encode())
+        await waiter(lambda: {"ll", "lc"} <= set(r.table.workers))
+        for rid, isl in (("short", 100), ("long", 9_000)):
+            req = InferenceRequest(request_id=rid, model="m", token_ids=list(range(isl)),
+                                   reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+            await producer.send_and_wait(catalog.requests.name, encode(req), key=rid.encode())
+        queue = catalog.queue(WorkerRole.aggregated).name
+        [short] = await read_partition(settings, queue, 7, 1)
+        [long] = await read_partition(settings, queue, 8, 1)
+        assert decode(InferenceRequest, short.value).request_id == "short"
+        assert decode(InferenceRequest, long.value).request_id == "long"
+        records: list = []
+        for _ in range(20):  # decision records are sent without waiting for the broker's ack
+            records = await read_decisions(settings, "long", catalog, idle_ms=300)
+            if records:
+                break
+        assert (records[0].prefill_pool, records[0].decode_pool) == ("long-context", "long-context")
+    finally:
+        await producer.stop()
+        await r.app.stop()

@@ -85,7 +85,7 @@ def replay(
     mode: Annotated[str, typer.Option(help="offline (simulated clock, no broker) | online (live deployment)")] = "offline",
     workers: Annotated[Optional[int], typer.Option(
         min=0, help="offline: simulated aggregated workers (with --planner sla: the starting pool); "
-                    "default 8, or 0 when --decode-workers is given")] = None,
+                    "default 8, or 0 when --decode-workers or --pool-workers is given")] = None,
     prefill_workers: Annotated[int, typer.Option(
         min=0, help="offline: simulated prefill-only workers (disaggregated serving)")] = 0,
     decode_workers: Annotated[int, typer.Option(
@@ -121,6 +121,11 @@ def replay(
     shed_queue_order: ShedQueueOrderOpt = None,
     shed_kv_threshold: ShedKvThresholdOpt = None,
     shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
+    pool_workers: Annotated[Optional[str], typer.Option(
+        help="offline: simulated aggregated workers per worker pool, NAME=N[,NAME=N...] (beside --workers, "
+             "which join the default pool); the report gives each pool's figures")] = None,
+    pool_grid: Annotated[Optional[Path], typer.Option(
+        help="offline: the global router's pool grid (TOML or JSON; e.g. examples/pools.toml)")] = None,
     seed: int = 0,
     speedup: Annotated[float, typer.Option(help="divide trace inter-arrival times by this")] = 1.0,
     start_ms: Optional[float] = None,
@@ -225,7 +230,7 @@ def replay(
     common = dict(start_ms=start_ms, end_ms=end_ms, limit=limit, json_path=json_path, markdown_path=markdown,
                   plot_dir=plots, progress=progress, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms)
     if workers is None:
-        workers = 0 if decode_workers else 8
+        workers = 0 if decode_workers or pool_workers else 8
     policy = deprecated_alias("--router", router, "--policy", policy)
     ttft_statistic = deprecated_alias("--planner-ttft-statistic", planner_ttft_statistic, "--ttft-statistic",
                                       ttft_statistic) or "mean"
@@ -243,6 +248,7 @@ def replay(
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig
+        from kvflow.router.pools import load_pool_grid
         from kvflow.router.shedding import ShedConfig
         from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -277,7 +283,9 @@ def replay(
                                  worker_startup_ms=worker_startup_s * 1000.0,
                                  kv_config=KvPolicyConfig.from_settings(settings),
                                  shed=ShedConfig.from_settings(settings),
-                                 reactive_interval_s=reactive_interval_s or None, **plan, **common)
+                                 reactive_interval_s=reactive_interval_s or None,
+                                 pool_workers=_pool_counts(pool_workers),
+                                 pool_grid=load_pool_grid(pool_grid) if pool_grid else None, **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
@@ -293,9 +301,11 @@ def replay(
             raise typer.BadParameter("--kv-host-gb/--kv-disk-gb/--num-kv-blocks size the offline simulation's "
                                      "engines; online, the deployment's workers have theirs (`kvflow up "
                                      "--kv-host-gb ...`)")
-        if prefill_workers or decode_workers:
-            raise typer.BadParameter("--prefill-workers/--decode-workers size the offline simulation; online, the "
-                                     "deployment's own workers serve (`kvflow up --prefill-workers ...`)")
+        if prefill_workers or decode_workers or pool_workers or pool_grid:
+            raise typer.BadParameter("--prefill-workers/--decode-workers/--pool-workers/--pool-grid shape the "
+                                     "offline simulation; online, the deployment's own workers and router serve "
+                                     "(`kvflow up --prefill-workers ...`, KVFLOW_WORKER_POOL, "
+                                     "KVFLOW_ROUTER_POOL_GRID)")
         if policy is not None:
             raise typer.BadParameter("--policy configures the offline simulator's router; online, the deployment's "
                                      "router routes (`kvflow up --policy ...`)")
@@ -339,6 +349,21 @@ def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None
     write_trace(run, path)
     return recorded_report(run, trace=f"topics[{since_ms},{until_ms})", sla_ttft_ms=sla_ttft_ms,
                            sla_itl_ms=sla_itl_ms), path
+
+
+def _pool_counts(spec: str | None) -> dict[str, int]:
+    """``NAME=N,NAME=N`` → ``{NAME: N}`` (``--pool-workers``).
+
+    Raises:
+        ValueError: an entry without ``=``, or a count that is not an integer >= 0.
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name, sep, count = part.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(f"--pool-workers takes NAME=N entries, not {part!r}")
+        out[name.strip()] = int(count)
+    return out
 
 
 def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str, interval_s: float, hold: int,

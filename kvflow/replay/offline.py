@@ -21,11 +21,13 @@ from kvflow.planner.profile import Profile
 from kvflow.replay.compare import compare_reports
 from kvflow.replay.planner_eval import evaluate_planner, replica_hours, worker_lifetimes
 from kvflow.replay.plots import latency_samples, write_plots
+from kvflow.replay.pool_report import pool_report
 from kvflow.replay.report import Report, RequestRecord, build_report, disagg_summary, render_markdown, write_json
 from kvflow.replay.simulator import KvEventHook, SimConfig, SimResult, simulate
 from kvflow.replay.traces import Trace, read_trace
 from kvflow.router.disagg import DisaggConfig
 from kvflow.router.kv_policy import KvPolicyConfig
+from kvflow.router.pools import PoolGrid
 from kvflow.router.shedding import ShedConfig
 from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -100,6 +102,8 @@ def run_offline(
     kv_config: KvPolicyConfig | None = None,
     shed: ShedConfig | None = None,
     reactive_interval_s: float | None = 1.0,
+    pool_workers: dict[str, int] | None = None,
+    pool_grid: PoolGrid | None = None,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -147,6 +151,9 @@ def run_offline(
             :class:`~kvflow.router.shedding.ShedConfig`, the live defaults);
             recorded in ``options["shed"]``; the report's ``shed`` and
             ``queued`` count what it did.
+        pool_workers: aggregated workers per worker pool, beside ``workers``
+            (the default pool); the report's ``pools`` gives each pool's figures.
+        pool_grid: the global router's pool grid (:mod:`kvflow.router.pools`).
 
     Returns:
         The :class:`Report`.
@@ -156,7 +163,7 @@ def run_offline(
         FileNotFoundError: no trace file.
         ValueError: a planner setting is invalid (see ``evaluate_planner``),
             ``kv_hook`` was given with ``planner``, the planner was asked for
-            a disaggregated run, or the worker counts are invalid.
+            a disaggregated run or worker pools, or the worker counts are invalid.
     """
     trace = read_trace(trace_path, speedup=speedup, start_ms=start_ms, end_ms=end_ms, limit=limit, rate=rate,
                        seed=seed)
@@ -165,12 +172,14 @@ def run_offline(
     config = SimConfig(workers=workers, policy=policy, seed=seed, mocker=mocker,
                        sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
                        decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms,
-                       kv=kv_config, shed=shed or ShedConfig())
+                       kv=kv_config, shed=shed or ShedConfig(), pool_workers=dict(pool_workers or {}),
+                       pool_grid=pool_grid)
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")
-        if prefill_workers or decode_workers:
-            raise ValueError("the offline SLA planner sizes aggregated pools only; drop the prefill/decode workers")
+        if prefill_workers or decode_workers or pool_workers:
+            raise ValueError("the offline SLA planner sizes one aggregated pool only; drop the prefill/decode "
+                             "workers and the worker pools")
         return _run_offline_planner(trace, config, planner, max_workers=max_workers, sla_target=sla_target,
                                     sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, profile=profile,
                                     profile_kind=profile_kind, progress=progress, json_path=json_path,
@@ -186,6 +195,8 @@ def run_offline(
     )
     hours = replica_hours(worker_lifetimes(res.records, res.worker_ids, res.end_ms))
     report = report.model_copy(update={"replica_hours": hours, **_tier_fields(res)})
+    if pool_workers:
+        report = report.model_copy(update={"pools": pool_report(res.records, res.worker_pools)})
     if res.disaggregated:
         summary = disagg_summary(
             res.records, worker_roles=res.worker_roles, busy_ms=res.busy_ms, duration_ms=report.duration_s * 1000.0,

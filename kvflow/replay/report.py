@@ -317,6 +317,8 @@ class Report(BaseModel):
     of requests that got a first token); ``kv_tiers`` sums the workers'
     offload/onboard counters (:class:`~kvflow.workers.kv.tiers.TierStats`;
     None without host or disk tier). All three are None online.
+    ``pools``: offline with worker pools, the figures of each pool
+    (:func:`kvflow.replay.pool_report.pool_report`); None otherwise.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -362,6 +364,7 @@ class Report(BaseModel):
     recomputed_prefill_tokens: int | None = None
     tier_hit_rates: dict[str, float] | None = None
     kv_tiers: dict[str, float] | None = None
+    pools: dict[str, dict] | None = None
     quantiles_ms: dict[str, list[float]] = {}
     """``ttft``, ``itl`` and ``e2e`` latency at each percentile 0, 1, ..., 100 (101
     values, ms; absent without samples): the CDFs ``kvflow replay compare --plots`` draws."""
@@ -676,6 +679,13 @@ def render_markdown(report: Report) -> str:
         lines += _planner_markdown(r, r.planner)
     if r.disagg is not None:
         lines += _disagg_markdown(r.disagg)
+    if r.pools:
+        lines += ["", "| pool | completed | failed | mean ISL | TTFT p50 / p99 (ms) | mean ITL p50 / p99 (ms) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, p in r.pools.items():
+            lines.append(f"| {name or '(default)'} | {p['completed']:,} | {p['failed']:,} | {p['isl_mean']:,.0f} | "
+                         f"{_f(p['ttft_p50_ms'])} / {_f(p['ttft_p99_ms'])} | {_f(p['itl_p50_ms'])} / "
+                         f"{_f(p['itl_p99_ms'])} |")
     lines += ["", "| latency (ms) | p50 | p90 | p99 | mean | count |", "|---|---:|---:|---:|---:|---:|"]
     for name, s in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("TPOT", r.tpot_ms), ("e2e", r.e2e_ms),
                     ("queue", r.queue_ms)):

@@ -25,6 +25,12 @@ simulated time while requests are held (the live router ticks every
 heartbeat interval), and is routed when the tick releases it (its queueing
 shows in TTFT).
 
+A trace request's ``priority``, ``tenant``, ``session_id`` and
+``timeout_ms`` reach the core on its :class:`~kvflow.router.core.Arrival`
+(the deadline is arrival + ``timeout_ms``; only the router's queue enforces
+it here, the simulated engines run a routed request to its end), so the
+``priority`` queue order and session affinity replay as they run live.
+
 Timings recorded per request (see :mod:`kvflow.replay.report`): arrival,
 first scheduled (start of the first step that admitted it), every token
 delivery, finish. The loop is one heap of step events merged with the sorted
@@ -99,6 +105,7 @@ from kvflow.router.core import Arrival, Decision, RouterCore
 from kvflow.router.disagg import DisaggConfig
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.policies import HASH_FREE_POLICIES
+from kvflow.router.pools import PoolGrid
 from kvflow.router.shedding import ShedConfig
 from kvflow.router.table import RoutingTable
 from kvflow.schemas import (
@@ -185,6 +192,11 @@ class SimConfig:
         router_tick_ms: simulated ms between the router core's ticks while
             it holds requests (queue mode). Defaults to ``1000`` (the live
             router ticks every ``heartbeat_interval_ms``, default 1000).
+        pool_workers: aggregated workers at start per worker pool (pool name →
+            count), beside ``workers`` (which join the default pool ``""``).
+            Defaults to none.
+        pool_grid: the global router's pool grid (:mod:`kvflow.router.pools`,
+            the live ``router_pool_grid``); None = one pool. Defaults to ``None``.
     """
 
     workers: int = 8
@@ -201,6 +213,8 @@ class SimConfig:
     kv: KvPolicyConfig | None = None
     shed: ShedConfig = field(default_factory=ShedConfig)
     router_tick_ms: float = 1000.0
+    pool_workers: dict[str, int] = field(default_factory=dict)
+    pool_grid: PoolGrid | None = None
 
     def __post_init__(self) -> None:
         if self.worker_startup_ms < 0:
@@ -231,6 +245,7 @@ class SimWorker:
     ready_ms: float = 0.0  # registers with the router (takes requests) from then on
     held: set[str] = field(default_factory=set)
     lifecycle_seq: int = 0
+    pool: str = ""
 
 
 @dataclass
@@ -255,7 +270,8 @@ class SimResult:
     ``profile_s`` splits the run's wall time (routing, engine steps, token
     delivery, the rest).
 
-    ``worker_roles`` maps worker id to role (``aggregated``/``prefill``/``decode``);
+    ``worker_roles`` maps worker id to role (``aggregated``/``prefill``/``decode``),
+    ``worker_pools`` to its worker pool (``""``: the default pool);
     ``prefill_tokens``/``decode_tokens`` are each worker's computed prompt and
     decode tokens; ``prefill_plans`` counts the disaggregation rule's outcomes
     (:data:`kvflow.router.disagg.PlanReason`: ``remote``, ``short_prompt``,
@@ -285,6 +301,7 @@ class SimResult:
     wall_time_s: float
     profile_s: dict[str, float]
     worker_roles: dict[str, str] = field(default_factory=dict)
+    worker_pools: dict[str, str] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)
     decode_tokens: dict[str, int] = field(default_factory=dict)
     prefill_plans: dict[str, int] = field(default_factory=dict)
@@ -327,9 +344,9 @@ class Simulation:
                  kv_hook: KvEventHook | None = None, planner: PlannerHook | None = None,
                  progress: bool = False) -> None:
         self.config = config = config or SimConfig()
-        if min(config.workers, config.prefill_workers, config.decode_workers) < 0:
+        if min(config.workers, config.prefill_workers, config.decode_workers, *config.pool_workers.values()) < 0:
             raise ValueError("worker counts must be >= 0")
-        if config.workers + config.decode_workers < 1:
+        if config.workers + config.decode_workers + sum(config.pool_workers.values()) < 1:
             raise ValueError(f"workers must be >= 1 (or decode_workers >= 1), got {config.workers}")
         if config.workers and config.decode_workers:
             log.warning("%d aggregated workers beside %d decode workers get no requests: the disaggregation "
@@ -343,7 +360,8 @@ class Simulation:
         # KV-event policies read the index the workers' events build, as in the live router
         # (unless kv_hook takes the events instead).
         self.core = RouterCore(config.policy, kv=config.kv, shed=config.shed, disagg=config.disagg,
-                               router_id="sim", block_size=self.mocker_config.block_size if kv_hook is None else None)
+                               router_id="sim", block_size=self.mocker_config.block_size if kv_hook is None else None,
+                               pools=config.pool_grid)
         if kv_hook is None and self.core.uses_events:
             self.kv_hook = self.core
         self.workers: dict[str, SimWorker] = {}
@@ -373,6 +391,9 @@ class Simulation:
             self.add_worker(WorkerRole.prefill, startup_ms=0.0)
         for _ in range(config.decode_workers):
             self.add_worker(WorkerRole.decode, startup_ms=0.0)
+        for pool, count in config.pool_workers.items():
+            for _ in range(count):
+                self.add_worker(startup_ms=0.0, pool=pool)
 
     @property
     def table(self) -> RoutingTable:
@@ -381,12 +402,14 @@ class Simulation:
 
     # ---- topology (planner / disaggregation hooks use these) ------------
 
-    def add_worker(self, role: WorkerRole = WorkerRole.aggregated, startup_ms: float | None = None) -> str:
+    def add_worker(self, role: WorkerRole = WorkerRole.aggregated, startup_ms: float | None = None,
+                   pool: str = "") -> str:
         """Start a new worker of ``role`` with an empty cache at the current time; returns its id.
 
         It takes requests after ``startup_ms`` (default ``config.worker_startup_ms``). Ids are ``worker-NNN`` (aggregated), ``prefill-NNN`` or ``decode-NNN``,
         numbered per role from 0. A prefill or decode worker switches the
-        simulation to the disaggregated placement rule.
+        simulation to the disaggregated placement rule. ``pool``: the worker
+        pool it joins (``""``: the default pool).
         """
         role = WorkerRole(role)
         n = sum(1 for w in self.workers.values() if w.role == role)
@@ -395,7 +418,7 @@ class Simulation:
             self._disagg = True
         core = MockerCore(self.mocker_config, worker_id)
         core.computed_blocks = self._computed_blocks
-        w = self.workers[worker_id] = SimWorker(worker_id, role, core,
+        w = self.workers[worker_id] = SimWorker(worker_id, role, core, pool=pool,
                                                 ready_ms=self.now_ms + (self.config.worker_startup_ms
                                                                         if startup_ms is None else startup_ms))
         if w.ready_ms > self.now_ms:
@@ -426,7 +449,7 @@ class Simulation:
             model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,
             kv_used_blocks=s.used_blocks, queue_topic="sim", queue_partition=0, active_requests=s.active_requests,
             waiting_requests=s.waiting_requests, active_prefill_tokens=s.active_prefill_tokens,
-            ts_ms=int(self.now_ms), lifecycle_seq=w.lifecycle_seq, inflight_requests=len(w.held)))
+            ts_ms=int(self.now_ms), lifecycle_seq=w.lifecycle_seq, inflight_requests=len(w.held), pool=w.pool))
 
     def _admitted(self, w: SimWorker, request: GenerateRequest, prefill_tokens: int) -> None:
         """``w`` took ``request`` (its :class:`RequestAdmitted`, folded at once)."""
@@ -468,7 +491,11 @@ class Simulation:
             self._heartbeat(w)
         tokens = req.prompt_token_ids()
         hashes = self._block_hashes(req, tokens) if self.need_block_hashes else ()
-        arrival = Arrival(req.request_id, self.config.model, req.isl, block_hashes=hashes, payload=(req, tokens))
+        deadline = None if req.timeout_ms is None else int(self.now_ms + req.timeout_ms)
+        arrival = Arrival(req.request_id, self.config.model, req.isl, block_hashes=hashes, deadline_ms=deadline,
+                          payload=(req, tokens), priority=req.priority, tenant=req.tenant,
+                          session_id=req.session_id, max_tokens=req.osl, ttft_target_ms=req.ttft_target_ms,
+                          itl_target_ms=req.itl_target_ms)
         self._carry_out(self.core.route(arrival, int(self.now_ms)))
 
     def _router_tick(self) -> None:
@@ -501,6 +528,8 @@ class Simulation:
             self._schedule_router_tick()
         else:
             self._fail(rec, f"{outcome.value}: {decision.reason}")
+        for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
+            self._carry_out(shed_one)
 
     def _place(self, decision: Decision, req: TraceRequest, rec: RequestRecord, tokens: list[int]) -> None:
         """A routed request: local prefill → its decode (or aggregated) worker; remote → the prefill
@@ -747,6 +776,7 @@ class Simulation:
             end_ms=self.now_ms, steps=sum(w.steps for w in ws), stalls=self._stalls,
             wall_time_s=wall, profile_s=prof,
             worker_roles={w.worker_id: w.role.value for w in ws},
+            worker_pools={w.worker_id: w.pool for w in ws},
             prefill_tokens={w.worker_id: w.core.prefill_tokens_total for w in ws},
             decode_tokens={w.worker_id: w.core.decode_tokens_total for w in ws},
             prefill_plans=dict(self._plans),

@@ -87,6 +87,12 @@ class TraceRequest:
     otherwise unique tokens from ``token_seed`` and ``index``.
     ``index`` is the record's position in the file (0-based), stable under
     slicing.
+
+    Serving classes (Mooncake and kvflow traces, optional keys
+    ``priority``, ``tenant``, ``session_id``, ``timeout_ms``,
+    ``ttft_target_ms``, ``itl_target_ms``): the request's priority class
+    (higher first), who sent it, its session, its deadline in ms after
+    arrival (not scaled by ``speedup``; None = none), and its SLA hints (ms).
     """
 
     request_id: str
@@ -102,6 +108,12 @@ class TraceRequest:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     hash_block_tokens: int = HASH_BLOCK_TOKENS
     category: str | None = None
+    priority: int = 0
+    tenant: str = ""
+    session_id: str | None = None
+    timeout_ms: float | None = None
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
 
     def prompt_token_ids(self, tokenizer: Tokenizer | None = None) -> list[int]:
         """The prompt's ``isl`` token ids (built on demand, not stored).
@@ -214,6 +226,26 @@ def _int_field(path: Path, lineno: int, rec: dict, key: str, minimum: int) -> in
     return int(value)
 
 
+def _serving_fields(path: Path, lineno: int, rec: dict) -> dict[str, Any]:
+    """The optional serving-class keys of a record (:class:`TraceRequest`)."""
+    out: dict[str, Any] = {}
+    if "priority" in rec:
+        out["priority"] = _int_field(path, lineno, rec, "priority", -(2**31))
+    for key in ("tenant", "session_id"):
+        value = rec.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise TraceFormatError(path, lineno, f"field {key!r} must be a string, got {value!r}")
+            out[key] = value
+    for key in ("timeout_ms", "ttft_target_ms", "itl_target_ms"):
+        value = rec.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise TraceFormatError(path, lineno, f"field {key!r} must be a number > 0, got {value!r}")
+            out[key] = float(value)
+    return out
+
+
 def _read_mooncake(path: Path, name: str, vocab_size: int, **_: Any) -> list[TraceRequest]:
     out = []
     for index, (lineno, rec) in enumerate(_jsonl_records(path)):
@@ -230,7 +262,8 @@ def _read_mooncake(path: Path, name: str, vocab_size: int, **_: Any) -> list[Tra
             raise TraceFormatError(
                 path, lineno, f"input_length {isl} exceeds {len(hash_ids)} blocks of {HASH_BLOCK_TOKENS} tokens")
         out.append(TraceRequest(request_id=f"{name}-{index}", index=index, arrival_ms=float(ts), isl=isl, osl=osl,
-                                hash_ids=tuple(hash_ids), vocab_size=vocab_size))
+                                hash_ids=tuple(hash_ids), vocab_size=vocab_size,
+                                **_serving_fields(path, lineno, rec)))
     return out
 
 
@@ -342,9 +375,13 @@ def _read_kvflow(path: Path, name: str, vocab_size: int, seed: int, tokenizer: T
     for index, req in rows:
         messages = tuple({"role": m.role, "content": m.content} for m in req.messages) if req.messages else None
         token_ids = tuple(req.token_ids) if req.token_ids is not None else None
-        out.append(_text_request(name, index, req.prompt, messages, req.sampling.max_tokens, seed, vocab_size,
-                                 tokenizer, token_ids=token_ids, arrival_ms=float(req.created_ms - t0),
-                                 request_id=req.request_id))
+        req_out = _text_request(name, index, req.prompt, messages, req.sampling.max_tokens, seed, vocab_size,
+                                tokenizer, token_ids=token_ids, arrival_ms=float(req.created_ms - t0),
+                                request_id=req.request_id)
+        timeout = float(req.deadline_ms - req.created_ms) if req.deadline_ms is not None and req.created_ms else None
+        out.append(replace(req_out, priority=req.priority, tenant=req.tenant or "", session_id=req.session_id,
+                           timeout_ms=timeout if timeout is not None and timeout > 0 else None,
+                           ttft_target_ms=req.ttft_target_ms, itl_target_ms=req.itl_target_ms))
     return out
 
 

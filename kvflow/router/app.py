@@ -92,6 +92,7 @@ from kvflow.router.core import Arrival, Cancelled, Decision, Effect, KvDumpNeede
 from kvflow.router.disagg import DisaggConfig, routed_record
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.orphans import Orphans, Routed
+from kvflow.router.pools import load_pool_grid
 from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.prometheus import RouterExporter
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
@@ -201,7 +202,9 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     policy = policy or settings.routing_policy
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     core = RouterCore(policy, kv=KvPolicyConfig.from_settings(settings), shed=ShedConfig.from_settings(settings),
-                      disagg=DisaggConfig.from_settings(settings), router_id=router_id)
+                      disagg=DisaggConfig.from_settings(settings), router_id=router_id,
+                      session_margin=settings.router_session_margin,
+                      pools=load_pool_grid(settings.router_pool_grid) if settings.router_pool_grid else None)
     core.counters.update(dict.fromkeys(ADAPTER_COUNTERS, 0))
     if settings.embedded_broker:
         hot = {catalog.requests.name}  # only requests make the router's consumer poll fast
@@ -438,6 +441,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                              status=error.status, code=error.code, retry_after_s=error.retry_after_s)
         prom.on_decision(decision)
         await publish_decision(decision)
+        for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
+            await carry_out_decision(shed_one)
 
     def decision_lost(ack: asyncio.Future) -> None:
         if not ack.cancelled() and ack.exception() is not None:
@@ -452,6 +457,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         chosen = placement.decision if placement is not None else None
         plan = placement.plan if placement is not None else None
         prefill = plan.prefill if plan is not None else None
+        pools = decision.pools
         try:
             record = DecisionRecord(
                 request_id=arrival.request_id, model=arrival.model, outcome=decision.outcome, policy=policy,
@@ -462,6 +468,9 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                 prefill_reason=plan.reason if plan is not None and plan.reason != "no_prefill_workers" else None,
                 candidates=list(chosen.candidates) if chosen is not None else [],
                 prefill_candidates=list(prefill.candidates) if prefill is not None else [],
+                priority=arrival.priority, tenant=arrival.tenant or None, session_hit=decision.session_hit,
+                prefill_pool=pools.prefill if pools is not None else None,
+                decode_pool=pools.decode if pools is not None and not pools.fallback else None,
             )
             ack = await app.producer.send(catalog.routing_decisions.name, arrival.request_id.encode(),
                                           encode(record), None, None, None)

@@ -51,20 +51,40 @@ per serving worker per tick, since the busy test reads heartbeat figures
 that lag the requests just released; it drops those whose deadline passed
 (504) and rejects those whose model no worker serves any more (503,
 so they do not block the queue's head).
+
+In ``priority`` queue order (:mod:`kvflow.router.fair_queue`) the queue
+serves by priority class, then per-tenant fair share, then earliest
+deadline; an arrival of a higher class than every held request goes to a
+free worker at once instead of queueing behind them, and one arriving at a
+full queue may displace a held request of a lower class (or of a tenant
+holding more), which is shed (:attr:`Decision.displaced`). Requests with a
+session id prefer their session's last worker (:mod:`kvflow.router.affinity`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from kvflow.router.affinity import DEFAULT_SESSION_MARGIN, SessionTable, prefer_session_worker
 from kvflow.router.disagg import DisaggConfig, Placement, count_placement, decode_role, place
+from kvflow.router.fair_queue import FairRequestQueue
+from kvflow.router.pools import PoolChoice, PoolGrid
 from kvflow.router.index import KvIndex
 from kvflow.router.inflight import apply_inflight_record, kv_lagging, waive_kv
 from kvflow.router.kv_policy import EVENT_POLICIES, KvPolicyConfig
 from kvflow.router.policies import HASH_FREE_POLICIES, POLICIES, NoWorkerAvailable, RouteRequest
-from kvflow.router.shedding import BoundedRequestQueue, ShedAction, ShedConfig, ShedMode, shed
+from kvflow.router.shedding import (
+    BoundedRequestQueue,
+    QueueFull,
+    QueueOrder,
+    ShedAction,
+    ShedConfig,
+    ShedMode,
+    is_busy,
+    shed,
+)
 from kvflow.router.table import RoutingTable, WorkerView, apply_heartbeat, expire_workers
 from kvflow.schemas import (
     DecisionOutcome,
@@ -114,6 +134,17 @@ class Arrival:
         payload: what the adapter forwards and answers (the
             :class:`~kvflow.schemas.InferenceRequest` live, the trace request
             offline); the core never reads it.
+        priority: the request's class; higher is served first by the
+            ``priority`` queue order, and a full queue sheds the lowest class
+            first (:mod:`kvflow.router.fair_queue`).
+        tenant: who sent it (the bridge: a digest of the API key); the
+            ``priority`` queue order shares releases fairly among tenants.
+        session_id: requests of one session prefer the same worker
+            (:mod:`kvflow.router.affinity`); None = no session.
+        max_tokens: the output cap, tokens (the decode context a pool grid
+            reads is ``isl + max_tokens``); 0 = unknown.
+        ttft_target_ms, itl_target_ms: the caller's SLA hints (ms), read by
+            a pool grid (:mod:`kvflow.router.pools`); None = its defaults.
     """
 
     request_id: str
@@ -125,6 +156,12 @@ class Arrival:
     created_ms: int = 0
     deadline_ms: int | None = None
     payload: Any = None
+    priority: int = 0
+    tenant: str = ""
+    session_id: str | None = None
+    max_tokens: int = 0
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
 
     @classmethod
     def of(cls, request: InferenceRequest) -> "Arrival":
@@ -133,7 +170,9 @@ class Arrival:
         :meth:`~kvflow.schemas.InferenceRequest.hash_ids`)."""
         tokens = request.hash_ids()
         return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
-                   request.lora_name, request.created_ms, request.deadline_ms, request)
+                   request.lora_name, request.created_ms, request.deadline_ms, request, request.priority,
+                   request.tenant or "", request.session_id, request.sampling.max_tokens,
+                   request.ttft_target_ms, request.itl_target_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +208,12 @@ class Decision:
         error: shed and rejected: the answer the caller gets.
         expired: workers expired (TTL) just before deciding; each is also a
             :class:`WorkerExpired` to carry out.
+        displaced: held requests shed (503) to make room for this one in a
+            full ``priority`` queue; each is a ``shed`` decision to carry out.
+        session_hit: routed only: the request went to its session's worker
+            instead of the policy's choice (:mod:`kvflow.router.affinity`).
+        pools: the pools the pool grid picked (:mod:`kvflow.router.pools`);
+            None without a grid.
     """
 
     outcome: DecisionOutcome
@@ -181,6 +226,9 @@ class Decision:
     reason: str | None = None
     error: ErrorReply | None = None
     expired: tuple[str, ...] = ()
+    displaced: tuple["Decision", ...] = ()
+    session_hit: bool = False
+    pools: PoolChoice | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,11 +257,16 @@ Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
 """What :meth:`RouterCore.tick` and :meth:`RouterCore.on_request_cancelled` return, in order."""
 
 COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
-            "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired")
+            "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired", "displaced",
+            "jumped", "session_hits", "pool_fallbacks")
 """The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
 includes ``queue_timeouts``, held requests dropped at their deadline), held requests
 ``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
-(``kv_mismatch``), inflight records folded, and workers expired."""
+(``kv_mismatch``), inflight records folded, and workers expired; in ``priority`` queue order,
+held requests ``displaced`` by a higher-ranked arrival (also in ``shed``) and arrivals that
+``jumped`` a queue of lower classes; routed requests sent to their session's worker
+(``session_hits``); with a pool grid, requests whose decode pool had no worker and went to any
+pool (``pool_fallbacks``)."""
 
 
 class RouterCore:
@@ -228,10 +281,19 @@ class RouterCore:
         block_size: tokens per KV block of the workers; with an event-fed
             policy (``kv``) it creates the KV index at once (needed by
             :meth:`on_kv_events`); None = on the first KV batch, at its size.
+        pools: the global router's pool grid (:mod:`kvflow.router.pools`): each
+            request is routed within the pools it picks; None = one pool.
+        session_margin: session affinity's relative margin
+            (:func:`~kvflow.router.affinity.prefer_session_worker`); None
+            turns affinity off. Defaults to
+            :data:`~kvflow.router.affinity.DEFAULT_SESSION_MARGIN`.
 
     Attributes:
         table: the routing table (workers, in-flight load, KV index).
-        queue: the held requests (:class:`Arrival` items), None unless ``queue`` mode.
+        queue: the held requests (:class:`Arrival` items), None unless ``queue`` mode: a
+            :class:`~kvflow.router.fair_queue.FairRequestQueue` in ``priority`` order, else a
+            :class:`~kvflow.router.shedding.BoundedRequestQueue`.
+        sessions: session id → worker of its latest routed request.
         counters: event counts by name (:data:`COUNTERS`); adapters may add their own keys.
 
     Raises:
@@ -239,7 +301,8 @@ class RouterCore:
     """
 
     def __init__(self, policy: str, *, kv: KvPolicyConfig | None = None, shed: ShedConfig | None = None,
-                 disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None) -> None:
+                 disagg: DisaggConfig | None = None, router_id: str = "", block_size: int | None = None,
+                 pools: PoolGrid | None = None, session_margin: float | None = DEFAULT_SESSION_MARGIN) -> None:
         if policy not in POLICIES:
             raise KeyError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}")
         self.policy = policy
@@ -252,8 +315,14 @@ class RouterCore:
         if self.uses_events and block_size is not None:
             self.table.kv_index = KvIndex(block_size)
         cfg = self.shed_config
-        self.queue: BoundedRequestQueue[Arrival] | None = (
-            BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order) if cfg.mode is ShedMode.queue else None)
+        self.queue: BoundedRequestQueue[Arrival] | FairRequestQueue[Arrival] | None = None
+        self.prioritized = cfg.queue_order is QueueOrder.priority
+        if cfg.mode is ShedMode.queue:
+            self.queue = (FairRequestQueue(cfg.queue_capacity) if self.prioritized
+                          else BoundedRequestQueue(cfg.queue_capacity, cfg.queue_order))
+        self.session_margin = session_margin
+        self.pool_grid = pools
+        self.sessions = SessionTable()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._started_ms: dict[str, int] = {}
 
@@ -349,22 +418,69 @@ class RouterCore:
         requests held → ``queued``; otherwise the policy picks among the
         workers that are not busy, the disaggregation rule decides where the
         prompt is prefilled, and the request is counted on its workers →
-        ``routed``.
+        ``routed``. With a pool grid all of this happens within the pools it
+        picks (:attr:`Decision.pools`).
         """
+        if self.pool_grid is None:
+            return self._route(arrival, now_ms)
+        choice = self._enter_pools(arrival)
+        try:
+            decision = self._route(arrival, now_ms)
+        finally:
+            self.table.pools = None
+        return replace(decision, pools=choice)
+
+    def _enter_pools(self, arrival: Arrival, count: bool = True) -> PoolChoice:
+        """Restrict the table's candidates to the pools the grid picks for ``arrival``
+        (every pool when its decode pool has no serving worker of the model; ``count``:
+        in ``pool_fallbacks``)."""
+        grid, table = self.pool_grid, self.table
+        choice = grid.choose(arrival.isl, arrival.max_tokens, arrival.ttft_target_ms, arrival.itl_target_ms)
+        table.pools = (choice.prefill, choice.decode)
+        if not table.candidates(arrival.model, decode_role(table, arrival.model)):
+            table.pools = None
+            self.counters["pool_fallbacks"] += count
+            return PoolChoice(choice.prefill, choice.decode, fallback=True)
+        return choice
+
+    def _route(self, arrival: Arrival, now_ms: int) -> Decision:
         expired = self._expire(now_ms)
         table = self.table
         role = decode_role(table, arrival.model)
         candidates = table.candidates(arrival.model, role)
         queue = self.queue
-        verdict = shed(candidates, self.shed_config, queued=len(queue) if queue is not None else 0)
+        cfg = self.shed_config.for_priority(arrival.priority)
+        verdict = shed(candidates, cfg, queued=len(queue) if queue is not None else 0)
         action = verdict.action
         if action is ShedAction.route or not candidates:
             return self._dispatch(arrival, role, candidates, verdict.candidates, now_ms, expired)
+        if self.prioritized and action is ShedAction.queue and queue and arrival.priority > queue.peek_priority():
+            # Held requests are all of lower classes: a free worker takes this one at once.
+            free = [w for w in candidates if not is_busy(w, cfg)]
+            if free:
+                self.counters["jumped"] += 1
+                return self._dispatch(arrival, role, candidates, free, now_ms, expired)
         reason = f"all workers are busy ({verdict.reason})"
         if action is ShedAction.queue:  # shed() queues only while the queue has room
-            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms)
+            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms, priority=arrival.priority,
+                       tenant=arrival.tenant)
             self.counters["queued"] += 1
             return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired)
+        if self.prioritized and queue:
+            try:
+                victim = queue.displace(arrival, arrival.isl, arrival.deadline_ms, priority=arrival.priority,
+                                        tenant=arrival.tenant)
+            except QueueFull:
+                victim = None
+            else:
+                self.counters["queued"] += 1
+                self.counters["shed"] += 1
+                self.counters["displaced"] += 1
+                why = "pushed out of the full queue by a request that ranks higher"
+                out = Decision(DecisionOutcome.shed, victim, decode_role(table, victim.model), now_ms, reason=why,
+                               error=ErrorReply(503, "overloaded", why, verdict.retry_after_s))
+                return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired,
+                                displaced=(out,))
         self.counters["shed"] += 1
         return Decision(DecisionOutcome.shed, arrival, role, now_ms, reason=reason, expired=expired,
                         error=ErrorReply(503, "overloaded", reason, verdict.retry_after_s))
@@ -374,16 +490,20 @@ class RouterCore:
         changing nothing the next decision reads (no expiry, shedding, queue
         or in-flight counting; a stateful policy such as round-robin still
         advances its own cursor). A shadow router asks this. ``None``: no
-        serving worker of the model.
+        serving worker of the model. With a pool grid, within the pools it picks.
         """
-        role = decode_role(self.table, arrival.model)
-        candidates = self.table.candidates(arrival.model, role)
-        if not candidates:
-            return None
+        if self.pool_grid is not None:
+            self._enter_pools(arrival, count=False)
         try:
+            role = decode_role(self.table, arrival.model)
+            candidates = self.table.candidates(arrival.model, role)
+            if not candidates:
+                return None
             return self._place(arrival, role, candidates, now_ms)
         except NoWorkerAvailable:
             return None
+        finally:
+            self.table.pools = None
 
     def tick(self, now_ms: int) -> list[Effect]:
         """Periodic work at ``now_ms``, as effects in order: workers past their
@@ -429,6 +549,7 @@ class RouterCore:
         index = self.table.kv_index
         for worker_id in gone:
             self._started_ms.pop(worker_id, None)
+            self.sessions.forget_worker(worker_id)
             if isinstance(index, KvIndex):
                 index.remove_worker(worker_id)
         return tuple(gone)
@@ -449,13 +570,24 @@ class RouterCore:
         finally:
             table.busy = frozenset()
         decision = placement.decision.model_copy(update={"router_id": self.router_id, "decided_ms": now_ms})
+        session_hit = False
+        sid = arrival.session_id
+        if sid is not None and self.session_margin is not None:
+            sticky = self.sessions.get(sid)
+            if sticky is not None and not placement.plan.remote:
+                moved = prefer_session_worker(decision, sticky, self.session_margin, [w.worker_id for w in free])
+                if moved is not None:
+                    decision, session_hit = moved, True
+                    self.counters["session_hits"] += 1
+            self.sessions.note(sid, decision.worker_id)
         placement = Placement(decision, placement.plan)
         count_placement(table, placement, arrival.request_id, arrival.isl, now_ms)
         workers = table.workers
         decode = workers[decision.worker_id]
         target = workers[decision.prefill_worker_id] if placement.plan.remote else decode
         self.counters["routed"] += 1
-        return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired)
+        return Decision(DecisionOutcome.routed, arrival, role, now_ms, placement, target, decode, expired=expired,
+                        session_hit=session_hit)
 
     def _place(self, arrival: Arrival, role: WorkerRole, candidates: list[WorkerView], now_ms: int) -> Placement:
         """The policy's placement of ``arrival`` over the table's candidates (busy ones already marked).
@@ -485,16 +617,21 @@ class RouterCore:
         released = 0
         while queue:
             arrival = queue.peek()
-            role = decode_role(table, arrival.model)
-            candidates = table.candidates(arrival.model, role)
-            if candidates:
-                if released >= len(candidates):
-                    break  # heartbeats lag: one per worker per tick
-                verdict = shed(candidates, self.shed_config)
-                if verdict.action is not ShedAction.route:
-                    break  # every worker still busy
-                released += 1
-                self.counters["released"] += 1
-            queue.pop()
-            effects.append(self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
-                                          now_ms))
+            choice = self._enter_pools(arrival) if self.pool_grid is not None else None
+            try:
+                role = decode_role(table, arrival.model)
+                candidates = table.candidates(arrival.model, role)
+                if candidates:
+                    if released >= len(candidates):
+                        break  # heartbeats lag: one per worker per tick
+                    verdict = shed(candidates, self.shed_config.for_priority(arrival.priority))
+                    if verdict.action is not ShedAction.route:
+                        break  # every worker (of its pool) still busy
+                    released += 1
+                    self.counters["released"] += 1
+                queue.pop()
+                decision = self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
+                                          now_ms)
+            finally:
+                table.pools = None
+            effects.append(decision if choice is None else replace(decision, pools=choice))

@@ -16,8 +16,11 @@ as in Dynamo's request rejection (``--active-decode-blocks-threshold``,
   router answers HTTP 503 with a ``Retry-After`` of :func:`retry_after_s`
   seconds;
 * every candidate is busy and the mode is ``queue`` → ``queue`` in a
-  :class:`BoundedRequestQueue` (``fcfs`` or ``sjf`` = shortest ISL first),
-  released one at a time while some worker is not busy; a full queue rejects.
+  :class:`BoundedRequestQueue` (``fcfs`` or ``sjf`` = shortest ISL first)
+  or, in ``priority`` order, a :class:`~kvflow.router.fair_queue.FairRequestQueue`
+  (priority class, then per-tenant fair share, then earliest deadline),
+  released one at a time while some worker is not busy; a full queue rejects
+  (``priority``: it sheds the lowest class first).
 
 Pure data structures and functions: no I/O, no clock (times are passed in).
 """
@@ -28,7 +31,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -60,10 +63,13 @@ class ShedMode(str, Enum):
 
 
 class QueueOrder(str, Enum):
-    """Release order of queued requests: arrival order, or shortest ISL first."""
+    """Release order of queued requests: arrival order, shortest ISL first, or
+    priority class → tenant fair share → earliest deadline
+    (:mod:`kvflow.router.fair_queue`)."""
 
     fcfs = "fcfs"
     sjf = "sjf"
+    priority = "priority"
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class ShedConfig:
         mode: ``reject`` or ``queue``. Defaults to ``reject``.
         queue_capacity: most requests held in ``queue`` mode (>= 1).
             Defaults to ``256``.
-        queue_order: ``fcfs`` or ``sjf``. Defaults to ``fcfs``.
+        queue_order: ``fcfs``, ``sjf`` or ``priority``. Defaults to ``fcfs``.
         prefill_tokens_per_s: assumed prompt throughput of one worker, used
             only to estimate ``Retry-After``. Defaults to ``10_000`` (kvflow's
             choice, a conservative single-GPU figure; the mocker's default
@@ -89,6 +95,15 @@ class ShedConfig:
             (running requests finish), for ``Retry-After``. Defaults to ``2.0``.
         retry_after_min_s: lower bound of ``Retry-After``. Defaults to ``1``.
         retry_after_max_s: upper bound of ``Retry-After``. Defaults to ``60``.
+        reserve_fraction: share of each busy threshold held back for the
+            top classes: a request of priority below ``reserve_priority``
+            finds a worker busy at ``kv_threshold × (1 − reserve_fraction)``
+            KV use and ``prefill_token_threshold × (1 − reserve_fraction)``
+            queued prompt tokens, so a higher-class arrival finds room a
+            request already running cannot give back (engines do not
+            preempt by class). Defaults to ``0.0`` (no reserve).
+        reserve_priority: the lowest class the reserve is kept for.
+            Defaults to ``1`` (above the default class 0).
 
     Raises:
         ValueError: a threshold or bound out of range.
@@ -103,19 +118,24 @@ class ShedConfig:
     kv_drain_s: float = 2.0
     retry_after_min_s: int = 1
     retry_after_max_s: int = 60
+    reserve_fraction: float = 0.0
+    reserve_priority: int = 1
 
     @classmethod
     def from_settings(cls, settings: Any) -> "ShedConfig":
         """The shedding settings of :class:`kvflow.settings.Settings` (``shed_kv_threshold``,
         ``shed_prefill_token_threshold``, ``shed_mode``, ``shed_queue_capacity``,
-        ``shed_queue_order``); the other fields keep their defaults.
+        ``shed_queue_order``, ``shed_reserve_fraction``, ``shed_reserve_priority``);
+        the other fields keep their defaults.
 
         Raises:
             ValueError: a value out of range.
         """
         return cls(kv_threshold=settings.shed_kv_threshold,
                    prefill_token_threshold=settings.shed_prefill_token_threshold, mode=settings.shed_mode,
-                   queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order)
+                   queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order,
+                   reserve_fraction=settings.shed_reserve_fraction,
+                   reserve_priority=settings.shed_reserve_priority)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_threshold <= 1.0:
@@ -128,8 +148,22 @@ class ShedConfig:
             raise ValueError("prefill_tokens_per_s must be > 0 and kv_drain_s >= 0")
         if not 0 <= self.retry_after_min_s <= self.retry_after_max_s:
             raise ValueError("need 0 <= retry_after_min_s <= retry_after_max_s")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
         object.__setattr__(self, "mode", ShedMode(self.mode))
         object.__setattr__(self, "queue_order", QueueOrder(self.queue_order))
+        below = self
+        if self.reserve_fraction > 0:
+            keep = 1.0 - self.reserve_fraction
+            limit = self.prefill_token_threshold
+            below = replace(self, kv_threshold=self.kv_threshold * keep, reserve_fraction=0.0,
+                            prefill_token_threshold=None if limit is None else int(limit * keep))
+        object.__setattr__(self, "_below_reserve", below)
+
+    def for_priority(self, priority: int) -> "ShedConfig":
+        """The settings a request of class ``priority`` is shed by: these, or
+        below ``reserve_priority`` the thresholds less the reserve."""
+        return self if priority >= self.reserve_priority else self._below_reserve  # type: ignore[attr-defined]
 
 
 def busy_reason(worker: WorkerView, cfg: ShedConfig) -> str | None:
@@ -268,8 +302,10 @@ class BoundedRequestQueue(Generic[T]):
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         self.order = QueueOrder(self.order)
 
-    def push(self, item: T, isl: int = 0, deadline_ms: int | None = None) -> None:
-        """Queue ``item`` (ISL in tokens; optional absolute deadline in ms).
+    def push(self, item: T, isl: int = 0, deadline_ms: int | None = None, *, priority: int = 0,
+             tenant: str = "") -> None:
+        """Queue ``item`` (ISL in tokens; optional absolute deadline in ms;
+        ``priority`` and ``tenant`` are ignored by these orders).
 
         Raises:
             QueueFull: ``capacity`` items are already queued.

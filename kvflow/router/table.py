@@ -40,6 +40,9 @@ class RoutingTable:
     None = the policy's own (the defaults)."""
     busy: frozenset[str] = frozenset()
     """Workers load shedding marked busy for the decision at hand (never candidates)."""
+    pools: tuple[str, str] | None = None
+    """(prefill pool, pool of every other role) of the decision at hand: only
+    their workers are candidates (:mod:`kvflow.router.pools`); None = every pool."""
     inflight: InflightTracker = field(default_factory=InflightTracker)
     """Requests routed to, taken and ended by each worker (:mod:`kvflow.router.inflight`)."""
 
@@ -49,14 +52,16 @@ class RoutingTable:
         return self.live.views
 
     def candidates(self, model: str, role: WorkerRole | str) -> list[WorkerView]:
-        """Serving, non-busy workers of ``model`` and ``role``, sorted by worker id (stable order)."""
+        """Serving, non-busy workers of ``model`` and ``role`` (in the decision's pool,
+        :attr:`pools`), sorted by worker id (stable order)."""
         role = WorkerRole(role)
-        return sorted(
-            (w for w in self.workers.values()
-             if w.model == model and w.role == role and w.status == WorkerStatus.serving
-            and w.worker_id not in self.busy),
-            key=lambda w: w.worker_id,
-        )
+        found = (w for w in self.workers.values()
+                 if w.model == model and w.role == role and w.status == WorkerStatus.serving
+                 and w.worker_id not in self.busy)
+        if self.pools is not None:
+            pool = self.pools[0] if role is WorkerRole.prefill else self.pools[1]
+            found = (w for w in found if w.pool == pool)
+        return sorted(found, key=lambda w: w.worker_id)
 
     def models(self) -> list[str]:
         """Models served by at least one serving worker."""

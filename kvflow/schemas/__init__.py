@@ -32,7 +32,8 @@ from kvflow.schemas.kv_events import (
     decode_kv_frame,
     encode_kv_batch,
 )
-from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, WorkerMetrics
+from kvflow.schemas.eplb import ExpertPlacementMap
+from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, SpecDecodeMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
     EmbeddingRequest,
@@ -61,13 +62,14 @@ from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 __all__ = [
     "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
-    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest",
+    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest", "ExpertPlacementMap",
     "EmbeddingResult", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",
     "ResponseEvent", "RoutingDecision", "SamplingParams", "ScalingCommand", "StoredResponse", "Timings",
-    "TokenDelta", "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "WorkerRole", "WorkerStatus",
+    "TokenDelta", "Usage", "WorkerHeartbeat", "WorkerMetrics", "KvTierMetrics", "SpecDecodeMetrics", "WorkerRole",
+    "WorkerStatus",
     "deadline_exceeded", "decode",
     "decode_kv_frame",
     "encode", "encode_kv_batch", "now_ms",

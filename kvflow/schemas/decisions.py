@@ -105,6 +105,15 @@ class DecisionRecord(Record):
         reason: why a request was shed, queued or rejected; None when routed.
         candidates: the workers the policy weighed, in worker-id order.
         prefill_candidates: the prefill workers weighed for a remote prefill.
+        priority: the request's priority class (higher is served first).
+        tenant: who sent it (a digest of the API key), None when unknown.
+        session_hit: routed to its session's worker rather than the policy's
+            choice (the session's worker scored within the affinity margin).
+        prefill_pool: the pool the global router's grid picked for the
+            prompt (remote prefill); None without a pool grid.
+        decode_pool: the pool picked for decoding (or the whole request);
+            None without a pool grid, or when that pool had no worker and
+            every pool was considered.
     """
 
     request_id: str = Field(min_length=1)
@@ -121,3 +130,8 @@ class DecisionRecord(Record):
     reason: str | None = None
     candidates: list[CandidateCost] = Field(default_factory=list)
     prefill_candidates: list[CandidateCost] = Field(default_factory=list)
+    priority: int = 0
+    tenant: str | None = None
+    session_hit: bool = False
+    prefill_pool: str | None = None
+    decode_pool: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from kvflow.schemas.base import Record
 
@@ -66,6 +66,35 @@ class KvTierMetrics(BaseModel):
     disk_used_bytes: int = 0
 
 
+class SpecDecodeMetrics(BaseModel):
+    """A worker's speculative decoding counters, cumulative since it started.
+
+    ``draft_tokens``: draft tokens proposed; ``accepted_tokens``: those the
+    target model accepted; ``verify_steps``: target passes that verified
+    drafts (one per request per step). ``acceptance_rate`` =
+    accepted / draft tokens; ``mean_accepted_length`` = 1 + accepted /
+    verify steps, the tokens one target pass yields on average (the
+    accepted drafts plus the target's own token; 1 = no gain).
+    """
+
+    model_config = ConfigDict(frozen=True)
+    draft_tokens: int = Field(default=0, ge=0)
+    accepted_tokens: int = Field(default=0, ge=0)
+    verify_steps: int = Field(default=0, ge=0)
+
+    @computed_field
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / draft tokens (0 before any draft)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @computed_field
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying target pass: 1 + accepted / verify steps (1 before any)."""
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
+
+
 class WorkerMetrics(Record):
     """A worker's load snapshot, published every few seconds.
 
@@ -87,6 +116,8 @@ class WorkerMetrics(Record):
     """Requests this worker aborted on a cancel record since its previous snapshot."""
     kv_tiers: KvTierMetrics | None = None
     """KV tier counters; None when the worker has no host or disk tier."""
+    spec_decode: SpecDecodeMetrics | None = None
+    """Speculative decoding counters; None when the engine does not speculate."""
 
 
 MetricRecord = Annotated[Union[RequestMetrics, WorkerMetrics], Field(discriminator="type")]

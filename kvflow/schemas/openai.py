@@ -115,6 +115,18 @@ class _SamplingBody(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     user: str | None = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    """Priority class (higher is served first where the router's queue orders by it);
+    also the ``X-Priority`` header when the body leaves it out."""
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """kvflow extension: the session (conversation, agent run) the request belongs
+    to; the router keeps a session's requests on one worker while its cost is
+    close to the best. Also the ``X-Session-Id`` header."""
+    ttft_target_ms: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S * 1000)
+    """kvflow extension (SLA hint): the time to first token the caller
+    targets, ms; a router with a pool grid picks the prefill pool by it."""
+    itl_target_ms: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S * 1000)
+    """kvflow extension (SLA hint): the inter-token latency the caller
+    targets, ms; a router with a pool grid picks the decode pool by it."""
     ignore_eos: bool = False
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """kvflow extension: seconds from arrival to the request's deadline, by

@@ -118,7 +118,15 @@ class InferenceRequest(Record):
     Times are epoch milliseconds. ``deadline_ms`` (optional) is when the
     caller stops waiting: a worker ends the request then (error
     ``deadline_exceeded``) and drops one already past it. Higher
-    ``priority`` is served first where a queue orders by it.
+    ``priority`` is served first where a queue orders by it (the router's
+    ``priority`` queue order: class, then ``tenant`` fair share, then
+    earliest deadline; a full queue sheds the lowest class first).
+    ``tenant`` names who sent the request (the bridge: a digest of the API
+    key, never the key); ``session_id`` groups requests of one conversation
+    or agent, which the router keeps on one worker while its cost is within
+    a margin of the best. ``ttft_target_ms``/``itl_target_ms`` are the
+    caller's SLA hints (TTFT and ITL targets, ms); a router with a pool grid
+    picks the request's pools by them (:mod:`kvflow.router.pools`).
 
     Migration: ``attempt`` counts resubmissions of the request after its
     worker was lost (0 for the first); a resubmission carries the output
@@ -139,6 +147,10 @@ class InferenceRequest(Record):
     created_ms: int = 0
     deadline_ms: int | None = None
     priority: int = 0
+    tenant: str | None = Field(default=None, max_length=64)
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    ttft_target_ms: float | None = Field(default=None, gt=0)
+    itl_target_ms: float | None = Field(default=None, gt=0)
     lora_name: str | None = None
     routing: RoutingDecision | None = None
     disaggregated_params: dict[str, Any] | None = None

@@ -85,3 +85,8 @@ class WorkerHeartbeat(Record):
     host: str = ""
     lifecycle_seq: int | None = Field(ge=0, default=None)
     inflight_requests: int | None = Field(ge=0, default=None)
+    pool: str = Field(default="", max_length=64)
+    """The worker pool it belongs to (``""``: the default pool); a router with
+    a pool grid routes each request within the pools the grid picks
+    (:mod:`kvflow.router.pools`). Added without a schema version bump: older
+    readers ignore it, older workers leave it out."""

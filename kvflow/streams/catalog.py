@@ -19,6 +19,7 @@ from kvflow.schemas import (
     DeadLetter,
     DecisionRecord,
     EmbeddingRequest,
+    ExpertPlacementMap,
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
@@ -157,6 +158,13 @@ class Catalog:
                 producers=("planner",), consumers=("connector",),
                 description="replica targets per worker pool",
             ),
+            # The planner's EPLB placement per MoE model (kvflow.planner.eplb_job), keyed by
+            # model and compacted: a worker starting reads the latest map of its model.
+            "expert_placement": spec(
+                "expert-placement", partitions=1, key="model", value_schema=ExpertPlacementMap,
+                cleanup_policy="compact", producers=("planner",), consumers=("worker",),
+                description="expert-parallel placement (physical-to-logical expert map) per MoE model",
+            ),
             "dead_letter": spec(
                 "dead-letter", partitions=1, key="source_topic", value_schema=DeadLetter,
                 retention_ms=7 * 24 * 3600 * 1000, producers=("*",), consumers=("operator",),
@@ -242,6 +250,11 @@ class Catalog:
     def scaling(self) -> TopicSpec:
         """Scaling commands."""
         return self.topics["scaling"]
+
+    @property
+    def expert_placement(self) -> TopicSpec:
+        """EPLB expert placements, one per MoE model."""
+        return self.topics["expert_placement"]
 
     @property
     def dead_letter(self) -> TopicSpec:

@@ -62,7 +62,7 @@ class WorkerView:
 
     ``tokenizer`` is the tokenizer spec producers tokenize prompts with;
     ``context_length`` the longest sequence (tokens) the worker serves, or
-    None when it advertises none.
+    None when it advertises none; ``pool`` the worker pool it belongs to.
     """
 
     worker_id: str
@@ -83,6 +83,7 @@ class WorkerView:
     routed_prefill_tokens: int | None = None
     tokenizer: str = "bytes"
     context_length: int | None = None
+    pool: str = ""
 
     @property
     def load(self) -> int:
@@ -98,7 +99,7 @@ class WorkerView:
             active_requests=hb.active_requests, waiting_requests=hb.waiting_requests,
             active_prefill_tokens=hb.active_prefill_tokens, queue_topic=hb.queue_topic,
             queue_partition=hb.queue_partition, status=hb.status, last_seen_ms=hb.ts_ms, ttl_ms=hb.ttl_ms,
-            tokenizer=hb.tokenizer, context_length=hb.context_length,
+            tokenizer=hb.tokenizer, context_length=hb.context_length, pool=hb.pool,
         )
 
 

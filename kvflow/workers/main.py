@@ -27,7 +27,10 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  speedup_ratio: float = 1.0, device: str = "cpu", worker_id: str = "worker",
                  tokenizer: str | None = None, kv_cache_gb: float | None = None, dtype: str = "auto",
                  compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
-                 kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None) -> tuple[Engine, str, str]:
+                 kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
+                 mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0),
+                 hf_spec_ngram_tokens: int = 0,
+                 vllm_speculative_config: dict | None = None) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
@@ -38,6 +41,10 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     (:class:`~kvflow.workers.engines.vllm.VllmOptions`); other engines ignore them.
     ``kv_connector``: the vLLM KV connector of a prefill or decode worker
     (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
+    ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
+    rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`);
+    ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off);
+    ``vllm_speculative_config``: vLLM's ``speculative_config``, passed through.
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -55,6 +62,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         if num_kv_blocks:
             kw["num_kv_blocks"] = num_kv_blocks
         kw["kv_host_bytes"], kw["kv_disk_bytes"] = int(kv_host_gb * 2**30), int(kv_disk_gb * 2**30)
+        kw["spec_num_draft_tokens"], kw["spec_acceptance_rate"], kw["spec_draft_cost_ratio"] = mocker_spec
         spec = "bytes"
         if tokenizer and tokenizer != "bytes":
             from kvflow.models.resolve import resolve_model
@@ -72,6 +80,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
             kw["num_kv_blocks"] = num_kv_blocks
         if kv_host_gb or kv_disk_gb:
             kw["extra"] = {"kv_host_gb": kv_host_gb, "kv_disk_gb": kv_disk_gb, "kv_disk_dir": kv_disk_dir}
+        if hf_spec_ngram_tokens:
+            kw.setdefault("extra", {})["spec_ngram_tokens"] = hf_spec_ngram_tokens
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
     if engine == "vllm" and (kv_host_gb or kv_disk_gb):
         raise ValueError("--kv-host-gb/--kv-disk-gb: the vllm engine has no kvflow KV tiers (use vLLM's own "
@@ -82,7 +92,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
 
         resolved = resolve_model(model)
         kw = {"block_size": block_size} if block_size else {}
-        options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled)
+        options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled,
+                              speculative_config=vllm_speculative_config)
         return (make_engine("vllm", model=str(resolved.path), options=options,
                              kv_connector=kv_connector, **kw), resolved.name,
                 str(resolved.path))
@@ -118,9 +129,14 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
                                                compiled=compiled, kv_connector=connector,
                                                kv_host_gb=settings.kv_host_gb, kv_disk_gb=settings.kv_disk_gb,
+                                               mocker_spec=(settings.mocker_spec_num_draft_tokens,
+                                                            settings.mocker_spec_acceptance_rate,
+                                                            settings.mocker_spec_draft_cost_ratio),
+                                               hf_spec_ngram_tokens=settings.hf_spec_ngram_tokens,
+                                               vllm_speculative_config=settings.vllm_speculative_config,
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
-                                           tokenizer=tokenizer, role=role), eng)
+                                           tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)
     _drain_on_signals(worker)
     await worker.run()
 

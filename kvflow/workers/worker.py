@@ -133,7 +133,8 @@ class WorkerConfig:
     name; ``tokenizer`` the spec producers use to pre-tokenize for it;
     ``max_inflight`` caps requests taken from the queue and not finished;
     ``drain_timeout_s`` bounds how long a drain waits for in-flight requests;
-    ``metrics_interval_s`` is the period of :class:`WorkerMetrics` snapshots.
+    ``metrics_interval_s`` is the period of :class:`WorkerMetrics` snapshots;
+    ``pool`` the worker pool it joins (``""``: the default pool).
     """
 
     worker_id: str
@@ -144,6 +145,7 @@ class WorkerConfig:
     max_inflight: int = 256
     drain_timeout_s: float = 60.0
     metrics_interval_s: float = 2.0
+    pool: str = ""
 
 
 @dataclass
@@ -739,7 +741,7 @@ class Worker:
                                                   if self._idle() else 0),
             started_ms=self.started_ms,
             host=f"{socket.gethostname()}:{os.getpid()}",
-            lifecycle_seq=self.lifecycle_seq, inflight_requests=len(self.inflight),
+            lifecycle_seq=self.lifecycle_seq, inflight_requests=len(self.inflight), pool=self.config.pool,
         )
 
     async def _heartbeat(self) -> None:
@@ -799,6 +801,7 @@ class Worker:
             prefill_tokens_per_s=(stats.prefill_tokens_total - p0) / dt,
             decode_tokens_per_s=(stats.decode_tokens_total - d0) / dt,
             aborted_requests=aborted, kv_tiers=self.engine.kv_tier_metrics(),
+            spec_decode=self.engine.spec_decode_metrics(),
         )
 
     def _on_kv_events(self, events: list[KvEvent]) -> None:

@@ -165,7 +165,9 @@ def sampling_params(body: Body, max_tokens: int | None = None) -> SamplingParams
 
 def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, token_ids: list[int] | None,
                          created_ms: int, timeout_s: float, messages: list[ChatMessage] | None = None,
-                         max_tokens: int | None = None, prompt_embeds: PromptEmbeds | None = None) -> InferenceRequest:
+                         max_tokens: int | None = None, prompt_embeds: PromptEmbeds | None = None,
+                         priority: int | None = None, tenant: str | None = None,
+                         session_id: str | None = None) -> InferenceRequest:
     """Build the record the bridge produces for ``body``.
 
     ``token_ids`` (shape [ISL]) is the pre-tokenized prompt; ``messages`` is
@@ -174,11 +176,16 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
     stop it there (:mod:`kvflow.streams.deadlines`).
     ``max_tokens`` overrides the body's output cap (see :func:`sampling_params`).
     ``prompt_embeds`` (completions) is the whole prompt: ``token_ids`` is then None.
+    ``priority``/``session_id`` (see :mod:`kvflow.streams.bridge.serving_class`)
+    override the body's; ``tenant`` names the sender.
     """
     common: dict[str, Any] = {
         "request_id": request_id, "model": body.model, "token_ids": token_ids,
         "sampling": sampling_params(body, max_tokens), "reply_to": reply_to, "created_ms": created_ms,
-        "deadline_ms": deadline_ms(created_ms, timeout_s), "priority": body.priority,
+        "deadline_ms": deadline_ms(created_ms, timeout_s),
+        "priority": body.priority if priority is None else priority, "tenant": tenant,
+        "session_id": body.session_id if session_id is None else session_id,
+        "ttft_target_ms": body.ttft_target_ms, "itl_target_ms": body.itl_target_ms,
     }
     if isinstance(body, ChatCompletionRequest):
         if messages is None:

@@ -73,6 +73,7 @@ from kvflow.streams.bridge.openai_format import (
     to_inference_request,
 )
 from kvflow.streams.bridge.prompt_embeds import decode_prompt_embeds
+from kvflow.streams.bridge.serving_class import serving_class
 from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse, with_ids
 from kvflow.streams.bridge.state import BridgeState, admit, release
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
@@ -222,10 +223,13 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
     else:
         request_id, created_ms = resume.request_id, resume.created_ms
         reply_to = ReplyTo(topic=reply_to.topic, partition=resume.partition)
+    served_as = serving_class(http_request.headers, body.priority if "priority" in body.model_fields_set else None,
+                              body.session_id)
     request = to_inference_request(body, request_id=request_id, reply_to=reply_to,
                                    token_ids=token_ids, created_ms=created_ms,
                                    timeout_s=timeout_s, messages=messages,
-                                   max_tokens=max_tokens, prompt_embeds=embeds)
+                                   max_tokens=max_tokens, prompt_embeds=embeds, priority=served_as.priority,
+                                   tenant=served_as.tenant, session_id=served_as.session_id)
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SamplingParams
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SamplingParams, SpecDecodeMetrics
 
 __all__ = ["GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
 
@@ -144,6 +144,11 @@ class Engine(abc.ABC):
     def kv_tier_metrics(self) -> KvTierMetrics | None:
         """Counters of the engine's host/disk KV tiers (:mod:`kvflow.workers.kv.tiers`); None
         when it has none (the default)."""
+        return None
+
+    def spec_decode_metrics(self) -> SpecDecodeMetrics | None:
+        """Speculative decoding counters (draft, accepted tokens, verify steps); None when
+        the engine does not speculate (the default)."""
         return None
 
     def emit_kv_events(self, events: list[KvEvent]) -> None:

@@ -60,6 +60,18 @@ batch exactly where an aggregated request would after its prefill. The KV
 bytes are the prefill's own, so greedy output is token for token that of
 aggregated serving.
 
+Speculative decoding (``extra["spec_ngram_tokens"]`` k > 0): while exactly
+one request decodes and it is greedy (temperature 0), each step proposes up
+to k draft tokens by prompt lookup (:func:`~kvflow.workers.engines.ngram.propose_ngram`)
+and verifies them in one forward pass over ``[1, 1 + d]`` tokens: drafts are
+accepted while each equals the argmax the model gives at its position, and
+the argmax after the last accepted one is emitted too, so the output is the
+greedy output token for token (up to floating-point differences between the
+one-token and the multi-token forward pass, which change an argmax only on
+near-ties). The KV of rejected drafts is cut off the cache; only accepted
+tokens reach the prefix cache and its KV events. A batch of several
+requests, or a sampled one, decodes one token a step as before.
+
 Supported models: decoder-only transformers models whose cache layers are all
 full attention (Llama, Qwen2 without sliding window, ...). Sliding-window
 layers would break the left-padded layout and are refused at start.
@@ -83,9 +95,10 @@ import torch.nn.functional as F
 
 from kvflow.models.resolve import resolve_model
 from kvflow.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent, KvTierMetrics
+from kvflow.schemas import BlockRemoved, BlockStored, FinishReason, KvEvent, KvTierMetrics, SpecDecodeMetrics
 from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.workers.engines.base import Engine, EngineConfig, EngineError, EngineOutput, GenerateRequest, KvStats
+from kvflow.workers.engines.ngram import propose_ngram
 from kvflow.workers.kv.disk import FileDisk
 from kvflow.workers.kv.handoff import KvHandoff, KvLayout, KvPayload, PrefillResult
 from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore, TierStats, tier_metrics
@@ -320,7 +333,10 @@ class HfEngine(Engine):
             the module docstring), ``kv_disk_dir`` (G3 directory; default a
             new temporary directory), ``kv_disk_min_frequency`` (reuse
             frequency a block needs for G3, default 3; see
-            :class:`~kvflow.workers.kv.tiers.TierConfig`). On CPU,
+            :class:`~kvflow.workers.kv.tiers.TierConfig`), ``spec_ngram_tokens``
+            (draft tokens per step of prompt-lookup speculative decoding,
+            default 0 = off; see the module docstring), ``spec_ngram_max``
+            (longest n-gram looked up, default 3). On CPU,
             :meth:`start` sets torch's (process-wide) intra-op thread count.
         **overrides: ``EngineConfig`` fields replacing those of ``config``.
 
@@ -358,6 +374,11 @@ class HfEngine(Engine):
         self._layout: KvLayout | None = None
         self._tiers: TieredStore | None = None
         self._block_bytes = 0
+        self._spec_tokens = int(self.config.extra.get("spec_ngram_tokens", 0))
+        self._spec_ngram = int(self.config.extra.get("spec_ngram_max", 3))
+        if self._spec_tokens < 0 or self._spec_ngram < 1:
+            raise ValueError("spec_ngram_tokens must be >= 0 and spec_ngram_max >= 1")
+        self._spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verify passes
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -749,7 +770,8 @@ class HfEngine(Engine):
                 results.append((seq, EngineOutput(token_ids=[], finish_reason=FinishReason.abort)))
             self._batch.remove(aborted)
             if self._batch.seqs:
-                results += self._decode(events)
+                drafts = self._drafts()
+                results += self._decode_speculative(drafts, events) if drafts else self._decode(events)
         if self._tiers is not None:
             events += self._tiers.take_events()
         return results, events
@@ -868,12 +890,74 @@ class HfEngine(Engine):
         batch.remove([s for s in seqs if s.finished])
         return results
 
+    def _drafts(self) -> list[int]:
+        """Prompt-lookup drafts for the batch's one greedy request, capped so they never pass
+        ``max_tokens``; ``[]`` when speculation is off or does not apply (module docstring)."""
+        seqs = self._batch.seqs
+        if not self._spec_tokens or len(seqs) != 1:
+            return []
+        seq = seqs[0]
+        sampling = seq.request.sampling
+        room = min(sampling.max_tokens - seq.num_output_tokens, self._max_model_len - len(seq.token_ids)) - 1
+        if sampling.temperature > 0 or room <= 0:
+            return []
+        return propose_ngram(seq.token_ids, min(self._spec_tokens, room), self._spec_ngram)
+
+    def _decode_speculative(self, drafts: list[int], events: list[KvEvent]) -> list[tuple[_Sequence, EngineOutput]]:
+        """Verify ``drafts`` for the batch's one request in one forward pass; emit the accepted
+        drafts and the model's next token (module docstring)."""
+        batch = self._batch
+        seq = batch.seqs[0]
+        start, width, q = seq.num_kv_tokens, batch.mask.shape[1], 1 + len(drafts)
+        input_ids = torch.tensor([[seq.token_ids[-1], *drafts]], device=self._device)
+        positions = torch.arange(start, start + q, device=self._device).unsqueeze(0)
+        mask = torch.cat((batch.mask, torch.ones(1, q, dtype=batch.mask.dtype, device=self._device)), 1)
+        logits, kv = self._forward(input_ids, positions, mask, batch.kv, num_logits=q)
+        best = logits[0].argmax(dim=-1).tolist()  # best[j]: the greedy token after input j
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+            accepted += 1
+        outs = []
+        for token in drafts[:accepted] + [best[accepted]]:
+            out = self._advance(seq, token)
+            if out is not None:
+                outs.append(out)
+            if seq.finished:
+                break
+        keep = width + seq.num_kv_tokens - start  # the fed token and the accepted drafts kept
+        batch.kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in kv]
+        batch.mask = mask[:, :keep]
+        counts = self._spec_counts
+        counts[0] += len(drafts)
+        counts[1] += accepted
+        counts[2] += 1
+        self.decode_steps_by_batch_size[1] += 1
+        self._decode_tokens_total += seq.num_kv_tokens - start
+        if self._prefix_caching and (seq.num_kv_tokens // self.block_size) > seq.num_stored_blocks:
+            events += self._store_blocks(seq, batch.row_kv(0))
+        if seq.finished:
+            batch.remove([seq])
+        if not outs:
+            return []
+        merged = EngineOutput(token_ids=[t for o in outs for t in o.token_ids], finish_reason=outs[-1].finish_reason,
+                              num_cached_tokens=outs[0].num_cached_tokens)
+        return [(seq, merged)]
+
+    def spec_decode_metrics(self) -> SpecDecodeMetrics | None:
+        """Prompt-lookup draft and accepted tokens and verify passes (None when speculation is off)."""
+        if not self._spec_tokens:
+            return None
+        drafts, accepted, verifies = self._spec_counts
+        return SpecDecodeMetrics(draft_tokens=drafts, accepted_tokens=accepted, verify_steps=verifies)
+
     def _forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv,
-        inputs_embeds: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, num_logits: int = 1,
     ) -> tuple[torch.Tensor, LayerKv]:
         """Run the model on ``input_ids`` ``[B, q]`` (or ``inputs_embeds`` ``[B, q, hidden]``)
-        after ``past``; return last-position logits ``[B, vocab]`` (float32) and the grown per-layer KV."""
+        after ``past``; return last-position logits ``[B, vocab]`` (float32; with
+        ``num_logits`` > 1 the last that many positions, ``[B, num_logits, vocab]``) and the
+        grown per-layer KV."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._model.config)
@@ -888,9 +972,11 @@ class HfEngine(Engine):
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=num_logits,
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if num_logits > 1:
+            return out.logits[:, -num_logits:, :].float(), kv
         return out.logits[:, -1, :].float(), kv
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:

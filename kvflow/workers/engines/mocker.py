@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 
 from kvflow.aio import cancel_and_wait
-from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics
+from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SpecDecodeMetrics
 from kvflow.workers.engines.base import (
     Engine,
     EngineConfig,
@@ -299,6 +299,14 @@ class MockerEngine(Engine):
     def kv_tier_metrics(self) -> KvTierMetrics | None:
         """The core's modelled G2/G3 counters (None without tiers)."""
         return tier_metrics(self.core.tiers) if self.core.tiers is not None else None
+
+    def spec_decode_metrics(self) -> SpecDecodeMetrics | None:
+        """The core's modelled draft and accepted tokens (None when ``spec_num_draft_tokens`` is 0)."""
+        core = self.core
+        if not core.config.spec_num_draft_tokens:
+            return None
+        return SpecDecodeMetrics(draft_tokens=core.spec_draft_tokens, accepted_tokens=core.spec_accepted_tokens,
+                                 verify_steps=core.spec_verify_steps)
 
     # ---- admin -----------------------------------------------------------
 

@@ -30,6 +30,25 @@ Scheduling follows vLLM v1 as NVIDIA Dynamo's mocker models it
    output token of a request therefore comes at the end of the step that
    completes its prefill.
 
+Speculative decoding (``spec_num_draft_tokens`` k > 0): a request in decode
+also proposes up to k draft tokens each step (fewer near ``max_tokens``),
+which the step verifies with its own token in one pass. KV slots are
+allocated for the token and all k drafts (over-allocation; the drafts count
+against the token budget too). Draft ``j`` is accepted with probability
+``spec_acceptance_rate`` α if drafts ``0..j-1`` were (i.i.d. acceptance, the
+model of Leviathan, Kalman and Matias, "Fast Inference from Transformers via
+Speculative Decoding", ICML 2023), drawn deterministically from the
+request's seed. The step emits the ``a`` accepted drafts plus one token of
+the target model (``a + 1`` tokens in one output); only the fed token and
+the accepted drafts become computed KV, so only their full blocks are
+committed and published as KV events, and the slots of rejected drafts stay
+with the request, unused, for its next tokens. A step where some request
+drafted costs ``decode_ms(u) · (1 + k · spec_draft_cost_ratio)``: the draft
+model's k passes at that fraction of a target pass each, and the
+verification of k + 1 tokens at the cost of one memory-bound decode pass
+(the paper's cost model; ``spec_draft_cost_ratio`` 0 models prompt lookup,
+which runs no model). Expected tokens per pass ``(1 − α^(k+1)) / (1 − α)``.
+
 Step duration (Dynamo: ``prefill_time`` then ``decode_start_ms = now +
 prefill_time``, ``end_ms = decode_start_ms + decode_time``, so the two *add*)::
 
@@ -89,6 +108,7 @@ __all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decod
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
+_SPEC_SALT = 0x5BEC_DEC0_DE5B_EC00  # separates draft acceptance draws from output token draws
 
 
 @dataclass
@@ -146,10 +166,20 @@ class MockerConfig:
         kv_tier_half_life_s: half-life of a block's reuse frequency, which
             decides G2 -> G3 demotion (:class:`~kvflow.workers.kv.tiers.TierConfig`).
             Defaults to ``600``.
+        spec_num_draft_tokens: draft tokens proposed per request per decode
+            step (speculative decoding, module docstring); 0 = off. Defaults to ``0``.
+        spec_acceptance_rate: probability α that a draft token is accepted
+            (given the ones before it were), in [0, 1]. Defaults to ``0.7``
+            (kvflow's choice, within the 0.6–0.9 the paper above reports for
+            its draft/target pairs).
+        spec_draft_cost_ratio: one draft pass's cost as a fraction of a
+            target decode pass (the paper's ``c``; 0 for prompt lookup).
+            Defaults to ``0.0``.
 
     Raises:
         ValueError: a size is < 1, ``speedup_ratio`` or the transfer
-            bandwidth <= 0, or the transfer latency < 0.
+            bandwidth <= 0, the transfer latency < 0, or a speculative
+            decoding setting out of range.
     """
 
     block_size: int = 64
@@ -173,6 +203,9 @@ class MockerConfig:
     kv_disk_bytes_per_s: float = 7e9
     kv_disk_latency_ms: float = 0.1
     kv_tier_half_life_s: float = 600.0
+    spec_num_draft_tokens: int = 0
+    spec_acceptance_rate: float = 0.7
+    spec_draft_cost_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "vocab_size"):
@@ -191,6 +224,10 @@ class MockerConfig:
         TierConfig(self.kv_host_bytes, self.kv_disk_bytes, self.kv_tier_half_life_s)  # validates the tier budgets
         if len(self.prefill_coeffs) != 3 or len(self.decode_coeffs) != 3:
             raise ValueError("prefill_coeffs and decode_coeffs take three coefficients (a, b, c)")
+        if not 0 <= self.spec_num_draft_tokens <= 255 or not 0.0 <= self.spec_acceptance_rate <= 1.0 \
+                or self.spec_draft_cost_ratio < 0:
+            raise ValueError("need spec_num_draft_tokens in [0, 255], spec_acceptance_rate in [0, 1] and "
+                             "spec_draft_cost_ratio >= 0")
 
 
 def prefill_time_ms(config: MockerConfig, num_tokens: int) -> float:
@@ -281,7 +318,7 @@ class _Seq:
     __slots__ = (
         "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
         "hashes", "hash_seed", "lora_name", "token_seed", "token_offset", "cap", "committed", "running",
-        "imported", "num_host_cached", "num_disk_cached",
+        "imported", "num_host_cached", "num_disk_cached", "draft",
     )
 
     def __init__(self, request: GenerateRequest, config: MockerConfig) -> None:
@@ -307,6 +344,7 @@ class _Seq:
         self.imported = False  # prompt KV came from a remote prefill (see MockerCore.add_request)
         self.num_host_cached = 0  # of num_cached: prompt tokens onboarded from G2
         self.num_disk_cached = 0  # ... and from G3
+        self.draft = 0  # draft tokens scheduled this step (speculative decoding)
 
     def import_first_token(self, config: MockerConfig) -> None:
         """Append output token 0 (what the prefill worker sampled) and extend the block hashes."""
@@ -353,6 +391,11 @@ class MockerCore:
         # recomputed_prefill_tokens.
         self.computed_blocks: set[int] | None = None
         self.recomputed_prefill_tokens = 0
+        # Speculative decoding: draft tokens proposed and accepted, and the verification passes.
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_verify_steps = 0
+        self._drafted = False  # some request drafted in the step being scheduled
 
     def _offload(self, block_hash: int, parent_hash: int | None) -> None:
         """The pool evicted a cached block: hand it to G2 (or the disk filter)."""
@@ -432,6 +475,7 @@ class MockerCore:
         if now_ms is not None:
             self.now_s = now_ms / 1000.0
         self._onboard_ms = 0.0
+        self._drafted = False
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
         budget, preempted = self._schedule_running(scheduled, budget)
@@ -443,7 +487,10 @@ class MockerCore:
         cfg = self.config
         duration = prefill_time_ms(cfg, prefill_tokens) + self._onboard_ms
         if outputs:
-            duration += decode_time_ms(cfg, usage)
+            decode_ms = decode_time_ms(cfg, usage)
+            if self._drafted:  # the draft model's passes (Leviathan et al.: 1 + k·c target passes)
+                decode_ms *= 1.0 + cfg.spec_num_draft_tokens * cfg.spec_draft_cost_ratio
+            duration += decode_ms
         self.prefill_tokens_total += prefill_tokens
         self.decode_tokens_total += decode_tokens
         events = self.pool.take_events()
@@ -464,12 +511,16 @@ class MockerCore:
     def _schedule_running(self, scheduled: list[tuple[_Seq, int]], budget: int) -> tuple[int, bool]:
         """Give running requests their next tokens; preempt the newest on KV shortage."""
         running, pool, bs = self._running, self.pool, self.config.block_size
+        k = self.config.spec_num_draft_tokens
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            target = seq.num_computed + n
+            seq.draft = 0
+            if k and n == 1 and seq.num_generated:  # in decode: propose drafts, never past max_tokens
+                seq.draft = max(0, min(k, seq.max_tokens - seq.num_generated - 1, budget - 1))
+            target = seq.num_computed + n + seq.draft  # KV slots for the drafts too
             if target > seq.cap:
                 while True:
                     try:
@@ -485,7 +536,7 @@ class MockerCore:
                     continue  # seq itself was preempted; it was the last one
                 seq.cap = pool.num_seq_blocks(seq.rid) * bs
             scheduled.append((seq, n))
-            budget -= n
+            budget -= n + seq.draft
             i += 1
         return budget, preempted
 
@@ -554,6 +605,7 @@ class MockerCore:
         seq.cap = 0
         seq.committed = 0
         seq.imported = False  # the transferred KV is gone: recompute like any preempted request
+        seq.draft = 0
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -566,6 +618,11 @@ class MockerCore:
         finished = False
         for seq, n in scheduled:
             tokens = seq.tokens
+            if seq.draft and seq.running:
+                decode_tokens += 1 + seq.draft
+                if self._execute_spec(seq, outputs):
+                    finished = True
+                continue
             if n == 1 and seq.num_generated and seq.num_computed == len(tokens) - 1:
                 decode_tokens += 1
             else:
@@ -597,6 +654,46 @@ class MockerCore:
         if finished:
             self._running = [s for s in self._running if s.running]
         return outputs, prefill_tokens, decode_tokens
+
+    def _execute_spec(self, seq: _Seq, outputs: dict[str, EngineOutput]) -> bool:
+        """Verify one request's drafts (module docstring): emit the accepted drafts and
+        the target's token, compute the KV of the fed token and the accepted drafts,
+        commit their full blocks. Returns whether the request finished."""
+        cfg, d = self.config, seq.draft
+        seq.draft = 0
+        self._drafted = True
+        accepted = 0
+        while accepted < d and self._accept(seq, accepted):
+            accepted += 1
+        self.spec_draft_tokens += d
+        self.spec_accepted_tokens += accepted
+        self.spec_verify_steps += 1
+        tokens, bs, caching = seq.tokens, cfg.block_size, cfg.enable_prefix_caching
+        emitted = []
+        for _ in range(accepted + 1):
+            index = seq.num_generated
+            token = _xxh3(_pack_pair(seq.token_seed, seq.token_offset + index)) % cfg.vocab_size
+            tokens.append(token)
+            emitted.append(token)
+            seq.num_generated = index + 1
+            if caching and len(tokens) % bs == 0:
+                local = _xxh3(tokens_to_bytes(tokens[-bs:]), seq.hash_seed)
+                seq.hashes.append(next_sequence_hash(seq.hashes[-1] if seq.hashes else None, local))
+        seq.num_computed += 1 + accepted  # the fed token and the accepted drafts; the last emitted is pending
+        if caching and seq.num_computed // bs > seq.committed:
+            seq.committed = seq.num_computed // bs
+            self.pool.commit(seq.rid, seq.hashes[: seq.committed], seq.lora_name)
+        done = seq.num_generated >= seq.max_tokens
+        outputs[seq.rid] = EngineOutput(emitted, FinishReason.length if done else None, 0)
+        if done:
+            self._finish(seq)
+        return done
+
+    def _accept(self, seq: _Seq, j: int) -> bool:
+        """Whether draft ``j`` of this step is accepted (probability ``spec_acceptance_rate``,
+        drawn from the request's seed and position)."""
+        draw = _xxh3(_pack_pair(seq.token_seed ^ _SPEC_SALT, (seq.num_generated << 8) | j))
+        return draw < self.config.spec_acceptance_rate * 2.0**64
 
     def _count_recomputed(self, hashes: list[int]) -> None:
         """Prompt blocks just computed: those computed before (anywhere) were recomputed."""

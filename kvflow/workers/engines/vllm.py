@@ -95,7 +95,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.schemas import FinishReason, KvEvent, SamplingParams
+from kvflow.schemas import FinishReason, KvEvent, SamplingParams, SpecDecodeMetrics
 from kvflow.workers.engines.base import (
     Engine,
     EngineConfig,
@@ -153,11 +153,15 @@ class VllmOptions:
         compiled: run vLLM's compiled model (torch.compile, CUDA graphs on
             GPU); False: eager (``enforce_eager``); None: eager on CPU,
             compiled elsewhere.
+        speculative_config: vLLM's ``speculative_config``, passed through as
+            given (e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3}``); None: no speculative decoding.
     """
 
     kv_cache_gb: float | None = None
     dtype: str = "auto"
     compiled: bool | None = None
+    speculative_config: dict[str, Any] | None = None
 
 
 def platform_block_size(requested: int, device_type: str) -> int:
@@ -194,7 +198,8 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
         :func:`platform_block_size`), ``dtype`` (``options.dtype``, but
         float32 for ``"auto"`` when compiled on CPU), ``enforce_eager``,
         ``enable_prefix_caching``, ``max_num_seqs``,
-        ``max_num_batched_tokens`` and the KV cache size when one applies;
+        ``max_num_batched_tokens``, the KV cache size when one applies and
+        ``speculative_config`` when given;
         ``env`` has ``VLLM_CPU_KVCACHE_SPACE`` for CPU releases without
         ``kv_cache_memory_bytes``.
 
@@ -226,6 +231,8 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
         else:
             raise ValueError("this vLLM release has no kv_cache_memory_bytes: size the KV cache with "
                              "gpu_memory_utilization in the engine's extra settings instead of kv_cache_gb")
+    if options.speculative_config:
+        args["speculative_config"] = dict(options.speculative_config)
     args.update(config.extra)
     return args, env
 
@@ -296,10 +303,18 @@ class _Load:
     waiting: int = 0
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    spec_drafts: int = 0  # speculative decoding, summed over steps: verify passes,
+    spec_draft_tokens: int = 0  # draft tokens proposed
+    spec_accepted_tokens: int = 0  # and accepted
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             self.seen = True
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                self.spec_drafts += int(spec.num_drafts)
+                self.spec_draft_tokens += int(spec.num_draft_tokens)
+                self.spec_accepted_tokens += int(spec.num_accepted_tokens)
             self.running = int(scheduler_stats.num_running_reqs)
             self.waiting = int(scheduler_stats.num_waiting_reqs)
             # ``kv_cache_usage`` in current vLLM, ``gpu_cache_usage`` in early v1 releases.
@@ -623,6 +638,15 @@ class VllmEngine(Engine):
             await self._engine.abort(request_id)
 
     # ---- state ------------------------------------------------------------
+
+    def spec_decode_metrics(self) -> SpecDecodeMetrics | None:
+        """vLLM's speculative decoding counters from its stat logger (draft and accepted
+        tokens, drafts verified); None without ``speculative_config``."""
+        if not self.options.speculative_config:
+            return None
+        load = self._load
+        return SpecDecodeMetrics(draft_tokens=load.spec_draft_tokens, accepted_tokens=load.spec_accepted_tokens,
+                                 verify_steps=load.spec_drafts)
 
     def kv_stats(self) -> KvStats:
         """KV usage and queue lengths from vLLM's last step (see the module docstring)."""
