@@ -30,6 +30,24 @@ async def wait_bridge_healthy(url: str, timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
+async def wait_models(url: str, models: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until the bridge lists every model of ``models`` on ``/v1/models``
+    (its worker projection can see a new worker a poll later than the router).
+
+    Raises:
+        TimeoutError: not all listed in time.
+    """
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as http:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            listed = {m["id"] for m in (await http.get("/v1/models")).json()["data"]}
+            if set(models) <= listed:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{url} lists {sorted(listed)}, not all of {models}")
+            await asyncio.sleep(0.1)
+
+
 @contextlib.asynccontextmanager
 async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int, *, bridge: bool = True,
                              ready_timeout_s: float = 60.0) -> AsyncIterator[Supervisor]:

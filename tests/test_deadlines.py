@@ -140,10 +140,11 @@ async def test_request_waiting_behind_another_is_answered_504_at_its_deadline(cl
 async def test_worker_ends_a_request_at_its_deadline_with_nobody_waiting(cluster, waiter):
     settings, catalog, worker, client = cluster
     req = client.new_request(MODEL, prompt="fire and forget", sampling=SamplingParams(max_tokens=LONG),
-                             deadline_ms=now_ms() + 1000)
+                             deadline_ms=now_ms() + 3000)
     await client.submit(req)  # no stream: nobody gives up on it, nobody sends a cancel
-    final = await read_final(settings, catalog, client.slot, req.request_id, timeout_s=20)
-    assert final.error.code == DEADLINE_EXCEEDED and 0 < final.usage.completion_tokens < LONG // 2
+    final = await read_final(settings, catalog, client.slot, req.request_id, timeout_s=30)
+    # Usually ended mid-generation; on a loaded machine possibly before its first token.
+    assert final.error.code == DEADLINE_EXCEEDED and 0 <= final.usage.completion_tokens < LONG // 2
     assert worker.expired == 1
     await engine_idle(worker, waiter)
     assert await read_cancels(settings, catalog, timeout_s=1.0) == []

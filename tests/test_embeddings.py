@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from deployment import wait_bridge_healthy
+from deployment import wait_bridge_healthy, wait_models
 from kvflow.models.embedding import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 from aiokafka import TopicPartition
 
@@ -111,6 +111,7 @@ async def deployment(kafka):
         await sup.start_worker(WorkerRole.aggregated)
         await sup.wait_workers_ready(2, timeout_s=120)
         await wait_bridge_healthy(sup.url)
+        await wait_models(sup.url, [DEFAULT_EMBEDDING_MODEL, "mock-gen"])
         yield sup
     finally:
         await sup.stop()

@@ -39,6 +39,7 @@ from kvflow.schemas import (
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers.encoder import Encoder, EncoderError
 
@@ -98,7 +99,7 @@ class EmbeddingWorker:
                 await self.consumer.seek_to_end(self.queue_tp)
             await self.consumer.position(self.queue_tp)
             adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
-            await self._heartbeat()
+            await self._announce()
             self._beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             log.info("embedding worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model,
                      *self.queue_tp)
@@ -110,7 +111,7 @@ class EmbeddingWorker:
                     await self._beat
             self.status = WorkerStatus.stopped
             with contextlib.suppress(Exception):
-                await self._heartbeat()
+                await self._announce()
             await self.consumer.stop()
             await self.producer.stop()
             log.info("embedding worker %s stopped after %d requests", self.config.worker_id, self.served)
@@ -122,7 +123,7 @@ class EmbeddingWorker:
         if self.status is not WorkerStatus.serving:
             return
         self.status = WorkerStatus.draining
-        await self._heartbeat()
+        await self._announce()
         await asyncio.sleep(2 * self.settings.heartbeat_interval_ms / 1000)
         self._stop.set()
 
@@ -183,6 +184,11 @@ class EmbeddingWorker:
     async def _heartbeat(self) -> None:
         await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
                                           key=self.config.worker_id.encode())
+
+    async def _announce(self) -> None:
+        """A heartbeat for a start or status change: ring the readers parked in long polls."""
+        await self._heartbeat()
+        produced(self.catalog.workers.name)
 
     async def _heartbeat_loop(self) -> None:
         while True:
