@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvflow.deployments import pid_alive
+
 __all__ = ["open_doorbell", "ring", "close_doorbell", "directory_for", "RING_GAP_S"]
 
 log = logging.getLogger(__name__)
@@ -129,23 +131,13 @@ def close_doorbell() -> None:
         _bell = None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _peers(directory: Path, me: int) -> list[int]:
     ports = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             if not entry.name.isdigit() or int(entry.name) == me:
                 continue
-            if not _alive(int(entry.name)):
+            if not pid_alive(int(entry.name)):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)  # left by a process that was killed
                 continue
