@@ -128,10 +128,13 @@ class EmbeddedBroker:
         log.info("embedded Tansu broker on %s (pid %s)", self.bootstrap_servers, self.process.pid)
 
     async def stop(self) -> None:
-        """Terminate the broker (SIGTERM, then SIGKILL after 3 s)."""
+        """Terminate the broker (SIGTERM, then SIGKILL after 3 s) and remove its doorbell directory."""
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return
+        from kvflow.streams.doorbell import directory_for
+
+        shutil.rmtree(directory_for(self.bootstrap_servers), ignore_errors=True)  # its clients go with it
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
