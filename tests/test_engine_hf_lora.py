@@ -105,7 +105,16 @@ async def test_adapter_changes_output_and_never_shares_blocks(engine, prompt, ad
     both = await asyncio.gather(run(engine, "mix-base", prompt), run(engine, "mix-lora", prompt, "bananas"))
     assert [t for t, _ in both] == [base, tuned]
 
+    # A second adapter (the same weights under another name): its own blocks, the same output; it stays
+    # loaded when the first one goes.
+    await manager.load("bananas2", str(adapter_dir))
+    second, cached = await run(engine, "lora2-1", prompt, "bananas2")
+    assert second == tuned and cached == 0
     assert await manager.unload("bananas")
+    assert engine.lora_names == ["bananas2"]
+    assert (await run(engine, "lora2-2", prompt, "bananas2"))[0] == tuned
+    assert (await run(engine, "base-mid", prompt))[0] == base
+    assert await manager.unload("bananas2")
     assert engine.lora_names == []
     after, _ = await run(engine, "base-3", prompt)
     assert after == base

@@ -490,11 +490,16 @@ class HfEngine(Engine):
             users = [rid for rid, s in self._seqs.items() if s.request.lora_name == name and not s.finished]
             if users:
                 raise EngineError(f"LoRA adapter {name!r} is used by {len(users)} running request(s)")
-            await asyncio.to_thread(self._unload_lora, name)
+            # Out of the set before the first await: no new request can name it from here on.
             self._loras.discard(name)
+            try:
+                await asyncio.to_thread(self._unload_lora, name)
+            except BaseException:
+                self._loras.add(name)
+                raise
 
     def _unload_lora(self, name: str) -> None:
-        if len(self._loras) == 1:
+        if not self._loras:
             self._model = self._peft.unload()  # removes the LoRA layers: the base modules are back
             self._peft = None
         else:
