@@ -55,7 +55,8 @@ async def send_admin_command(settings: Settings, worker_id: str, action: AdminAc
     """
     catalog = catalog or Catalog(settings.namespace)
     command = AdminCommand(command_id=uuid.uuid4().hex, worker_id=worker_id, action=AdminAction(action),
-                           level=level, lora_name=lora_name, lora_uri=lora_uri, requested_by=f"cli:{socket.gethostname()}:{os.getpid()}", ts_ms=now_ms())
+                           level=level, lora_name=lora_name, lora_uri=lora_uri,
+                           requested_by=f"cli:{socket.gethostname()}:{os.getpid()}", ts_ms=now_ms())
     tp = TopicPartition(catalog.control.name, 0)
     consumer = make_consumer(settings)
     producer = make_producer(settings)
