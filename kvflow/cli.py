@@ -406,7 +406,7 @@ def status(
                        f"{'(shadow) ' if c.shadow else ''}{c.reason.split(';')[0]}")
 
 
-admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache "
+admin_app = typer.Typer(help="Engine lifecycle of one worker: sleep, wake, clear its KV cache, LoRA adapters "
                              "(control records; the worker answers).", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
 
@@ -416,17 +416,20 @@ AdminTimeoutOpt = Annotated[float, typer.Option(
 
 
 def _admin(action: str, worker_id: str, *, level: int, timeout_s: float, port, state_file, data_dir,
-           bootstrap_servers, namespace) -> None:
+           bootstrap_servers, namespace, lora_name: str | None = None, lora_uri: str | None = None) -> None:
     from kvflow.streams.admin import AdminTimeout, send_admin_command
 
     settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
                              namespace=namespace, data_dir=data_dir)
     try:
-        answer = asyncio.run(send_admin_command(settings, worker_id, action, level=level, timeout_s=timeout_s))
+        answer = asyncio.run(send_admin_command(settings, worker_id, action, level=level, timeout_s=timeout_s,
+                                                lora_name=lora_name, lora_uri=lora_uri))
     except AdminTimeout as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
     typer.echo(f"{worker_id}: {action} {'done' if answer.ok else 'FAILED'} in {answer.duration_ms} ms: {answer.detail}")
+    if answer.lora_adapters is not None:
+        typer.echo(f"{worker_id}: LoRA adapters loaded: {', '.join(answer.lora_adapters) or '(none)'}")
     if not answer.ok:
         raise typer.Exit(1)
 
@@ -465,6 +468,49 @@ def admin_clear_kv(
 ) -> None:
     """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
     _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+
+
+LoraNameArg = Annotated[str, typer.Argument(help="Adapter name (clients send it as the OpenAI `model`).")]
+
+
+@admin_app.command("load-lora")
+def admin_load_lora(
+    worker_id: WorkerArg,
+    name: LoraNameArg,
+    uri: Annotated[str, typer.Argument(help="Adapter location: file:///dir (a peft adapter directory) or a "
+                                            "registered scheme.")],
+    timeout_s: AdminTimeoutOpt = 300.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Load the LoRA adapter at URI on WORKER as NAME; requests with `model` NAME are then routed to it."""
+    _admin("load_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace, lora_name=name, lora_uri=uri)
+
+
+@admin_app.command("unload-lora")
+def admin_unload_lora(
+    worker_id: WorkerArg,
+    name: LoraNameArg,
+    timeout_s: AdminTimeoutOpt = 60.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """Unload LoRA adapter NAME from WORKER (refused while requests use it)."""
+    _admin("unload_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
+           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace, lora_name=name)
+
+
+@admin_app.command("list-lora")
+def admin_list_lora(
+    worker_id: WorkerArg,
+    timeout_s: AdminTimeoutOpt = 30.0,
+    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+) -> None:
+    """List the LoRA adapters loaded on WORKER."""
+    _admin("list_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
            data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
 
 

@@ -594,3 +594,16 @@ def test_serving_class_reaches_the_request_record():
                                created_ms=1_000, timeout_s=10.0, messages=chat_messages(body), priority=5,
                                session_id="s2")
     assert (req.priority, req.session_id, req.tenant) == (5, "s2", None)
+
+
+def test_an_adapter_name_as_model_runs_its_base_model_with_the_adapter():
+    source = ScriptedSource("Hello!")
+    state = make_state(source, workers=(heartbeat("w0"), heartbeat("w1", lora_adapters=["sql"])))
+    with client_for(state) as c:
+        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {MODEL, "sql"}
+        resp = c.post("/v1/chat/completions", json=chat_body(model="sql"))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "sql"
+        assert c.post("/v1/chat/completions", json=chat_body(model="nope")).status_code == 404
+    (req,) = source.requests
+    assert (req.model, req.lora_name) == (MODEL, "sql")

@@ -59,6 +59,11 @@ free worker at once instead of queueing behind them, and one arriving at a
 full queue may displace a held request of a lower class (or of a tenant
 holding more), which is shed (:attr:`Decision.displaced`). Requests with a
 session id prefer their session's last worker (:mod:`kvflow.router.affinity`).
+Requests naming a LoRA adapter (``lora_name``) are placed among the free
+workers whose heartbeats list it, when any is free; otherwise among all
+free workers of the base model, and the chosen one loads the adapter on
+demand (:mod:`kvflow.workers.worker`). Their block hashes are salted with
+the adapter name, so they never match the base model's blocks.
 """
 
 from __future__ import annotations
@@ -558,6 +563,11 @@ class RouterCore:
                   free: Sequence[WorkerView], now_ms: int, expired: tuple[str, ...] = ()) -> Decision:
         """Place ``arrival`` among ``free`` (the candidates that are not busy) and count it."""
         table = self.table
+        lora = arrival.lora_name
+        if lora:  # prefer workers with the adapter loaded; else the best worker loads it on demand
+            holders = [w for w in free if lora in w.lora_adapters]
+            if holders:
+                free = holders
         if len(free) != len(candidates):  # the policy must not see a busy worker
             free_ids = {w.worker_id for w in free}
             table.busy = frozenset(w.worker_id for w in candidates if w.worker_id not in free_ids)

@@ -71,11 +71,21 @@ class AdminAction(str, Enum):
     ``clear_kv``: the engine drops every cached KV block (prefix cache
     reset) and emits ``AllBlocksCleared``; it is refused while requests hold
     blocks, as vLLM's prefix-cache reset is.
+    ``load_lora``: fetch the LoRA adapter at ``lora_uri`` and load it as
+    ``lora_name`` (:mod:`kvflow.workers.lora`); the worker's heartbeats then
+    list it, requests whose ``model`` is ``lora_name`` become routable to it,
+    and every worker that reads the command remembers the URI, so one picked
+    for an adapter it lacks loads it on demand. ``unload_lora``: drop
+    ``lora_name`` (refused while requests use it). ``list_lora``: change
+    nothing. All three answer with the worker's loaded adapters.
     """
 
     sleep = "sleep"
     wake = "wake"
     clear_kv = "clear_kv"
+    load_lora = "load_lora"
+    unload_lora = "unload_lora"
+    list_lora = "list_lora"
 
 
 class AdminCommand(Record):
@@ -84,7 +94,9 @@ class AdminCommand(Record):
     ``command_id`` is chosen by the producer and echoed in the
     :class:`AdminCommandApplied` answer. ``level`` is the sleep level (1:
     drop the KV cache and move the weights to host memory, 2: drop both; vLLM's
-    sleep levels), ignored by other actions. ``requested_by`` names the
+    sleep levels), ignored by other actions. ``lora_name``/``lora_uri`` name
+    the adapter of ``load_lora`` (both) and ``unload_lora`` (the name).
+    ``requested_by`` names the
     producer (``cli:<host>:<pid>``); ``ts_ms`` is when it was produced (epoch ms).
     """
 
@@ -93,6 +105,8 @@ class AdminCommand(Record):
     worker_id: str = Field(min_length=1, max_length=256)
     action: AdminAction
     level: int = Field(default=1, ge=1, le=2)
+    lora_name: str | None = Field(default=None, min_length=1, max_length=256)
+    lora_uri: str | None = Field(default=None, min_length=1, max_length=4096)
     requested_by: str = Field(default="", max_length=256)
     ts_ms: int = Field(ge=0)
 
@@ -104,6 +118,8 @@ class AdminCommandApplied(Record):
     happened in either case (for sleep/wake: what the engine released or
     reloaded; for a refused ``clear_kv``: why). ``duration_ms`` is the time
     from receiving the command to this answer; ``ts_ms`` epoch ms.
+    ``lora_adapters``: the worker's loaded LoRA adapters after a LoRA
+    action (None for the others).
     """
 
     type: Literal["applied"] = "applied"
@@ -112,6 +128,7 @@ class AdminCommandApplied(Record):
     action: AdminAction
     ok: bool
     detail: str = ""
+    lora_adapters: list[str] | None = None
     duration_ms: int = Field(default=0, ge=0)
     ts_ms: int = Field(ge=0)
 

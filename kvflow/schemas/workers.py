@@ -90,3 +90,8 @@ class WorkerHeartbeat(Record):
     a pool grid routes each request within the pools the grid picks
     (:mod:`kvflow.router.pools`). Added without a schema version bump: older
     readers ignore it, older workers leave it out."""
+    lora_adapters: list[str] = Field(default_factory=list)
+    """Names of the LoRA adapters loaded on this worker's base ``model``
+    (admin ``load_lora``); a request whose ``model`` is one of them runs
+    with that adapter, and routers prefer workers listing it. Added without
+    a schema version bump: older readers ignore it."""

@@ -39,11 +39,13 @@ class AdminTimeout(TimeoutError):
 
 
 async def send_admin_command(settings: Settings, worker_id: str, action: AdminAction | str, *, level: int = 1,
-                             timeout_s: float = 120.0, catalog: Catalog | None = None) -> AdminCommandApplied:
+                             timeout_s: float = 120.0, catalog: Catalog | None = None,
+                             lora_name: str | None = None, lora_uri: str | None = None) -> AdminCommandApplied:
     """Send ``action`` to ``worker_id`` and return its answer.
 
     ``level`` is the sleep level (1 or 2; see
-    :class:`~kvflow.schemas.control.AdminCommand`). ``timeout_s`` bounds the
+    :class:`~kvflow.schemas.control.AdminCommand`); ``lora_name`` and
+    ``lora_uri`` name the adapter of ``load_lora``/``unload_lora``. ``timeout_s`` bounds the
     wait for the answer; a sleep waits for the worker's in-flight requests
     first, so give it at least the worker's drain timeout.
 
@@ -53,7 +55,8 @@ async def send_admin_command(settings: Settings, worker_id: str, action: AdminAc
     """
     catalog = catalog or Catalog(settings.namespace)
     command = AdminCommand(command_id=uuid.uuid4().hex, worker_id=worker_id, action=AdminAction(action),
-                           level=level, requested_by=f"cli:{socket.gethostname()}:{os.getpid()}", ts_ms=now_ms())
+                           level=level, lora_name=lora_name, lora_uri=lora_uri,
+                           requested_by=f"cli:{socket.gethostname()}:{os.getpid()}", ts_ms=now_ms())
     tp = TopicPartition(catalog.control.name, 0)
     consumer = make_consumer(settings)
     producer = make_producer(settings)

@@ -62,7 +62,8 @@ class WorkerView:
 
     ``tokenizer`` is the tokenizer spec producers tokenize prompts with;
     ``context_length`` the longest sequence (tokens) the worker serves, or
-    None when it advertises none; ``pool`` the worker pool it belongs to.
+    None when it advertises none; ``pool`` the worker pool it belongs to;
+    ``lora_adapters`` the LoRA adapters loaded on it (names).
     """
 
     worker_id: str
@@ -84,6 +85,7 @@ class WorkerView:
     tokenizer: str = "bytes"
     context_length: int | None = None
     pool: str = ""
+    lora_adapters: tuple[str, ...] = ()
 
     @property
     def load(self) -> int:
@@ -100,6 +102,7 @@ class WorkerView:
             active_prefill_tokens=hb.active_prefill_tokens, queue_topic=hb.queue_topic,
             queue_partition=hb.queue_partition, status=hb.status, last_seen_ms=hb.ts_ms, ttl_ms=hb.ttl_ms,
             tokenizer=hb.tokenizer, context_length=hb.context_length, pool=hb.pool,
+            lora_adapters=tuple(hb.lora_adapters),
         )
 
 
@@ -140,6 +143,14 @@ class Workers:
         return sorted((w for w in self.views.values()
                        if w.status == WorkerStatus.serving and (model is None or w.model == model)),
                       key=lambda w: w.worker_id)
+
+    def lora_base(self, name: str) -> str | None:
+        """The base model of the lowest-id serving generation worker that lists LoRA adapter
+        ``name``, or None when none does."""
+        for w in self.serving():
+            if name in w.lora_adapters and w.role is not WorkerRole.embedding:
+                return w.model
+        return None
 
     def snapshot(self) -> list[dict[str, Any]]:
         """JSON-friendly list of workers, sorted by id (for status pages)."""

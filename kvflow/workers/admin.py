@@ -22,6 +22,12 @@ Wake (:func:`wake_worker`) reverses 4, 3 and 1. Clear KV
 (:func:`clear_kv`) asks the engine for a prefix-cache reset
 (:class:`~kvflow.workers.engines.capabilities.ClearsKvCache`), which emits
 ``AllBlocksCleared`` and is refused while requests hold blocks.
+
+LoRA (:func:`lora_command`): ``load_lora`` fetches and loads an adapter
+through the worker's :class:`~kvflow.workers.lora.AdapterManager`,
+``unload_lora`` drops one, ``list_lora`` changes nothing; each answers
+with the loaded adapters and publishes a heartbeat, so routers and bridges
+see the new list without waiting for the next period.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from kvflow.workers.engines.capabilities import ClearsKvCache, Sleeps
 if TYPE_CHECKING:
     from kvflow.workers.worker import Worker
 
-__all__ = ["apply", "sleep_worker", "wake_worker", "clear_kv"]
+__all__ = ["apply", "sleep_worker", "wake_worker", "clear_kv", "lora_command"]
+
+_LORA_ACTIONS = (AdminAction.load_lora, AdminAction.unload_lora, AdminAction.list_lora)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,34 @@ async def clear_kv(worker: Worker) -> tuple[bool, str]:
     return await engine.clear_kv_cache()
 
 
+async def lora_command(worker: Worker, command: AdminCommand) -> tuple[bool, str]:
+    """Load, unload or list LoRA adapters; returns ``(done, detail)``.
+
+    Raises:
+        kvflow.workers.lora.AdapterError: the fetch, load or unload failed.
+    """
+    adapters = worker.adapters
+    if adapters is None:
+        return False, f"the {worker.engine.name} engine serves no LoRA adapters"
+    name = command.lora_name
+    if command.action is AdminAction.list_lora:
+        return True, f"{len(adapters.names())} adapter(s) loaded"
+    if not name:
+        return False, f"{command.action.value} needs lora_name"
+    if command.action is AdminAction.load_lora:
+        if not command.lora_uri:
+            return False, "load_lora needs lora_uri"
+        worker.adapter_uris[name] = command.lora_uri
+        loaded = await adapters.load(name, command.lora_uri)
+        detail = f"loaded {name} from {loaded.uri}"
+    else:
+        if not await adapters.unload(name):
+            return True, f"{name} was not loaded"
+        detail = f"unloaded {name}"
+    await worker.publish_heartbeat()
+    return True, detail
+
+
 async def apply(worker: Worker, command: AdminCommand) -> AdminCommandApplied:
     """Run ``command`` (one at a time per worker) and publish the answer on the control topic.
 
@@ -103,6 +139,8 @@ async def apply(worker: Worker, command: AdminCommand) -> AdminCommandApplied:
                 ok, detail = await sleep_worker(worker, command.level)
             elif command.action is AdminAction.wake:
                 ok, detail = await wake_worker(worker)
+            elif command.action in _LORA_ACTIONS:
+                ok, detail = await lora_command(worker, command)
             else:
                 ok, detail = await clear_kv(worker)
         except Exception as exc:  # noqa: BLE001 - reported to the operator, not raised
@@ -111,6 +149,8 @@ async def apply(worker: Worker, command: AdminCommand) -> AdminCommandApplied:
     log.info("admin %s (%s): %s, %s", command.action.value, command.command_id, "done" if ok else "failed", detail)
     answer = AdminCommandApplied(command_id=command.command_id, worker_id=worker.config.worker_id,
                                  action=command.action, ok=ok, detail=detail,
+                                 lora_adapters=(worker.adapters.names() if worker.adapters is not None else [])
+                                 if command.action in _LORA_ACTIONS else None,
                                  duration_ms=int((time.monotonic() - received) * 1000), ts_ms=now_ms())
     await worker.producer.send_and_wait(worker.catalog.control.name, encode(answer),
                                         key=worker.config.worker_id.encode())

@@ -44,7 +44,12 @@ KV), and a draining worker waits for its exposed KV to be pulled.
 Engine admin: the worker also reads the whole control topic (from its end)
 and applies the sleep, wake and clear-KV commands naming it
 (:mod:`kvflow.workers.admin`); while asleep it heartbeats ``sleeping`` and
-takes nothing from its queue.
+takes nothing from its queue. On an engine that serves LoRA adapters
+(:class:`~kvflow.workers.engines.capabilities.ServesLora`) it applies
+``load_lora``/``unload_lora``/``list_lora`` through an
+:class:`~kvflow.workers.lora.AdapterManager`, lists the loaded adapters in
+its heartbeats, and loads an adapter on demand for a request naming one it
+lacks when a ``load_lora`` command for any worker told it the URI.
 
 Observability: each request is served under a ``worker serve`` span (child
 of the router's, from the queue record's ``traceparent`` header) with an
@@ -60,16 +65,19 @@ import contextlib
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiokafka import TopicPartition
 from opentelemetry import trace
 
 from kvflow.schemas import (
+    AdminAction,
     AdminCommand,
     CancelReason,
     CancelRequest,
@@ -104,8 +112,9 @@ from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consum
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
-from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer
+from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer, ServesLora
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
+from kvflow.workers.lora import AdapterError, AdapterManager
 from kvflow.workers.prometheus import WorkerExporter
 from kvflow.workers.stops import StopChecker
 
@@ -134,7 +143,9 @@ class WorkerConfig:
     ``max_inflight`` caps requests taken from the queue and not finished;
     ``drain_timeout_s`` bounds how long a drain waits for in-flight requests;
     ``metrics_interval_s`` is the period of :class:`WorkerMetrics` snapshots;
-    ``pool`` the worker pool it joins (``""``: the default pool).
+    ``pool`` the worker pool it joins (``""``: the default pool);
+    ``lora_cache_dir`` where remote LoRA adapters are fetched to (``""``:
+    ``kvflow-lora`` under the system temporary directory).
     """
 
     worker_id: str
@@ -146,6 +157,7 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     metrics_interval_s: float = 2.0
     pool: str = ""
+    lora_cache_dir: str = ""
 
 
 @dataclass
@@ -202,6 +214,13 @@ class Worker:
         self.queue_paused = False  # asleep (admin): take nothing from the queue
         self.admin_lock = asyncio.Lock()  # one admin command at a time
         self._admin_tasks: set[asyncio.Task] = set()
+        self.adapters: AdapterManager | None = None  # LoRA adapters, on engines that serve them
+        if isinstance(engine, ServesLora):
+            cache = config.lora_cache_dir or os.path.join(tempfile.gettempdir(), "kvflow-lora")
+            self.adapters = AdapterManager(engine.load_lora, engine.unload_lora, Path(cache))
+        # Adapter URIs by name from every load_lora command read on the control topic (any worker's):
+        # a request routed here for an adapter not loaded loads it from there.
+        self.adapter_uris: dict[str, str] = {}
         self.prom = WorkerExporter(self)
         self.metrics_server = None  # kvflow.streams.metrics_server.MetricsServer while serving /metrics
 
@@ -622,10 +641,34 @@ class Worker:
                 from kvflow.workers.prompt_embeds import to_tensor
 
                 embeds = to_tensor(request.prompt_embeds)
+            if request.lora_name:
+                await self._ensure_adapter(request.lora_name)
             gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
                                   sampling=request.sampling, lora_name=request.lora_name,
                                   resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
             await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
+
+    async def _ensure_adapter(self, name: str) -> None:
+        """Load LoRA adapter ``name`` on demand when its URI is known and it is not loaded here
+        (the router picked this worker though none free had it); heartbeat the new list.
+
+        An engine without adapter loading decides alone (the mocker only salts
+        its block hashes with the name; vLLM refuses).
+
+        Raises:
+            EngineError: the load failed.
+        """
+        adapters = self.adapters
+        if adapters is None:
+            return
+        uri = self.adapter_uris.get(name)
+        if name in adapters or uri is None:
+            return  # loaded, or unknown here: the engine answers the request (an error when unknown)
+        try:
+            await adapters.load(name, uri)
+        except AdapterError as exc:
+            raise EngineError(str(exc)) from exc
+        await self.publish_heartbeat()
 
     async def stream_outputs(self, request: InferenceRequest, prompt_ids: list[int],
                              outputs: AsyncIterator[EngineOutput], received_ms: int, started_ms: int, *,
@@ -742,6 +785,7 @@ class Worker:
             started_ms=self.started_ms,
             host=f"{socket.gethostname()}:{os.getpid()}",
             lifecycle_seq=self.lifecycle_seq, inflight_requests=len(self.inflight), pool=self.config.pool,
+            lora_adapters=self.adapters.names() if self.adapters is not None else [],
         )
 
     async def _heartbeat(self) -> None:
@@ -848,6 +892,8 @@ class Worker:
                 record = decode(ControlRecord, msg.value)
             except RecordError:
                 return  # dead-lettered once by the router's check_control
+            if isinstance(record, AdminCommand) and record.action is AdminAction.load_lora and record.lora_uri:
+                self.adapter_uris[record.lora_name] = record.lora_uri
             if isinstance(record, AdminCommand) and record.worker_id == self.config.worker_id:
                 # A task: a sleep waits for in-flight requests, and cancels must keep flowing meanwhile.
                 task = asyncio.create_task(admin.apply(self, record), name=f"admin-{record.command_id}")

@@ -196,10 +196,15 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
         BridgeError: as :func:`prepare`, but for the body's own validation.
     """
     kind = RequestKind.chat if messages is not None else RequestKind.completion
-    if state.refresh_workers is not None and state.registry.model_state(body.model) is not ModelState.serving:
-        await state.refresh_workers(body.model)  # a worker may have just started
+    model, lora_name = body.model, None
+    if state.registry.model_state(model) is not ModelState.serving and state.registry.lora_base(model) is None:
+        if state.refresh_workers is not None:
+            await state.refresh_workers(model)  # a worker may have just started
+    base = state.registry.lora_base(model)
+    if base is not None:  # `model` names a LoRA adapter: run its base model with it
+        model, lora_name = base, body.model
     limit = state.settings.max_prompt_tokens
-    spec = _tokenizer_spec(state, body.model)
+    spec = _tokenizer_spec(state, model)
     embeds = None
     if isinstance(body, CompletionRequest) and body.prompt_embeds is not None:
         if body.echo:
@@ -215,7 +220,7 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
     if not isl:
         raise invalid_request("The prompt is empty.", param="prompt")
     max_tokens = output_budget(body, isl, max_output_tokens=state.settings.max_output_tokens,
-                               context_length=state.registry.context_length(body.model), prompt_param=prompt_param)
+                               context_length=state.registry.context_length(model), prompt_param=prompt_param)
     timeout_s = timeout_for(state.settings, http_request.headers, body, max_tokens)
     reply_to = state.source.reply_to
     if resume is None:
@@ -230,6 +235,8 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
                                    timeout_s=timeout_s, messages=messages,
                                    max_tokens=max_tokens, prompt_embeds=embeds, priority=served_as.priority,
                                    tenant=served_as.tenant, session_id=served_as.session_id)
+    if lora_name is not None:
+        request = request.model_copy(update={"model": model, "lora_name": lora_name})
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),
                     echo_text)
 

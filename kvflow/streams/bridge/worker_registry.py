@@ -6,7 +6,9 @@ workers projection the router and ``kvflow status`` use
 (:class:`kvflow.streams.workers.Workers`), whose views carry each worker's
 advertised tokenizer spec and context length, and remembers every model
 seen. :func:`~kvflow.streams.workers.follow_workers` is the consumer loop
-that feeds it.
+that feeds it. A LoRA adapter listed by a live worker is served as a model
+of its own name (:meth:`WorkerRegistry.lora_base` gives its base model), as
+vLLM serves adapters.
 """
 
 from __future__ import annotations
@@ -59,8 +61,17 @@ class WorkerRegistry:
         return self.workers.serving()
 
     def models(self) -> list[str]:
-        """Models with at least one live serving worker, sorted."""
-        return sorted({w.model for w in self.live_workers()})
+        """Models and LoRA adapters with at least one live serving worker, sorted."""
+        live = self.live_workers()
+        return sorted({w.model for w in live} | {a for w in live for a in w.lora_adapters})
+
+    def lora_base(self, name: str) -> str | None:
+        """The base model of LoRA adapter ``name`` when a live worker lists it and no live
+        worker serves ``name`` as a model of its own; else None."""
+        live = self.live_workers()
+        if any(w.model == name for w in live):
+            return None
+        return self.workers.lora_base(name)
 
     def model_state(self, model: str, *, embedding: bool = False) -> ModelState:
         """See :class:`ModelState`; ``serving`` counts generation workers, or

@@ -14,7 +14,9 @@ probing for attributes:
   (disaggregated decode stage);
 * :class:`Sleeps` — releases its KV cache (and weights, where it can) and
   reloads them (admin ``sleep``/``wake``, :mod:`kvflow.workers.admin`);
-* :class:`ClearsKvCache` — drops every cached KV block (admin ``clear_kv``).
+* :class:`ClearsKvCache` — drops every cached KV block (admin ``clear_kv``);
+* :class:`ServesLora` — loads and unloads LoRA adapters that requests name
+  (:mod:`kvflow.workers.lora`).
 
 On Python 3.11 ``isinstance`` against a protocol with a property
 (:class:`HasTokenizer`, :class:`ExposesKvLayout`) reads that property, so
@@ -27,13 +29,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from kvflow.schemas import KvEvent
     from kvflow.workers.engines.base import EngineOutput, GenerateRequest
     from kvflow.workers.kv.handoff import KvHandoff, KvLayout, PrefillResult
     from kvflow.models.tokenizer import Tokenizer
 
 __all__ = ["DumpsKvEvents", "HasTokenizer", "ExposesKvLayout", "PrefillsAlone", "DecodesFromKv", "Sleeps",
-           "ClearsKvCache"]
+           "ClearsKvCache", "ServesLora"]
 
 
 @runtime_checkable
@@ -115,4 +119,17 @@ class ClearsKvCache(Protocol):
         """Drop every cached block and emit ``AllBlocksCleared``; returns
         ``(done, detail)``. Refused (``done`` False, nothing dropped) while
         requests hold blocks."""
+        ...
+
+
+@runtime_checkable
+class ServesLora(Protocol):
+    """An engine that serves LoRA adapters on its base model, named per request (``lora_name``)."""
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        """Load the adapter directory ``path`` (``adapter_config.json`` + weights) as ``name``."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name``; refused while requests use it."""
         ...

@@ -72,6 +72,16 @@ near-ties). The KV of rejected drafts is cut off the cache; only accepted
 tokens reach the prefix cache and its KV events. A batch of several
 requests, or a sampled one, decodes one token a step as before.
 
+LoRA adapters (:meth:`HfEngine.load_lora`, through ``peft``): the first
+adapter wraps the model in a ``PeftModel``; every forward pass then names
+each row's adapter (``adapter_names``, ``"__base__"`` for a request without
+one), so requests of different adapters and of the base model share one
+batch. A request names its adapter by ``lora_name``; its block hashes are
+salted with that name (:func:`~kvflow.schemas.block_hash.block_seed`), so
+the prefix cache never hands one adapter's KV to another or to the base
+model. Loads and unloads run between steps; unloading the last adapter
+restores the plain model.
+
 Supported models: decoder-only transformers models whose cache layers are all
 full attention (Llama, Qwen2 without sliding window, ...). Sliding-window
 layers would break the left-padded layout and are refused at start.
@@ -379,6 +389,9 @@ class HfEngine(Engine):
         if self._spec_tokens < 0 or self._spec_ngram < 1:
             raise ValueError("spec_ngram_tokens must be >= 0 and spec_ngram_max >= 1")
         self._spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verify passes
+        self._peft = None  # the PeftModel wrapping _model once an adapter is loaded
+        self._loras: set[str] = set()
+        self._model_lock = asyncio.Lock()  # steps and adapter loads take turns on the model
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -442,6 +455,61 @@ class HfEngine(Engine):
         self._block_bytes = block_bytes
         self._tiers = self._make_tiers()
 
+    async def load_lora(self, name: str, path) -> None:
+        """Load the peft LoRA adapter directory ``path`` as ``name``, between steps.
+
+        Raises:
+            EngineError: not started, or ``name`` is already loaded.
+            ValueError, OSError: peft could not read the adapter (wrong base model shapes, missing files).
+        """
+        if self._model is None:
+            raise EngineError("HfEngine.load_lora needs a started engine")
+        async with self._model_lock:
+            if name in self._loras:
+                raise EngineError(f"LoRA adapter {name!r} is already loaded")
+            await asyncio.to_thread(self._load_lora, name, str(path))
+            self._loras.add(name)
+
+    def _load_lora(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self._model, path, adapter_name=name, is_trainable=False).eval()
+        else:
+            self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+
+    async def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` between steps; the last one out restores the plain model.
+
+        Raises:
+            EngineError: ``name`` is not loaded, or requests still use it.
+        """
+        async with self._model_lock:
+            if name not in self._loras:
+                raise EngineError(f"LoRA adapter {name!r} is not loaded")
+            users = [rid for rid, s in self._seqs.items() if s.request.lora_name == name and not s.finished]
+            if users:
+                raise EngineError(f"LoRA adapter {name!r} is used by {len(users)} running request(s)")
+            # Out of the set before the first await: no new request can name it from here on.
+            self._loras.discard(name)
+            try:
+                await asyncio.to_thread(self._unload_lora, name)
+            except BaseException:
+                self._loras.add(name)
+                raise
+
+    def _unload_lora(self, name: str) -> None:
+        if not self._loras:
+            self._model = self._peft.unload()  # removes the LoRA layers: the base modules are back
+            self._peft = None
+        else:
+            self._peft.delete_adapter(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the loaded LoRA adapters, sorted."""
+        return sorted(self._loras)
+
     def _make_tiers(self) -> TieredStore | None:
         """The G2/G3 store the ``kv_*`` extras ask for, or None."""
         extra = self.config.extra
@@ -504,8 +572,9 @@ class HfEngine(Engine):
             self._check_embeds(request)
         elif min(prompt) < 0 or max(prompt) >= self._vocab_size:
             raise EngineError(f"{request.request_id}: token id outside [0, {self._vocab_size})")
-        if request.lora_name:
-            raise EngineError(f"{request.request_id}: the hf engine serves no LoRA adapters")
+        if request.lora_name and request.lora_name not in self._loras:
+            raise EngineError(f"{request.request_id}: LoRA adapter {request.lora_name!r} is not loaded "
+                              f"(loaded: {sorted(self._loras)})")
         if request.request_id in self._seqs:
             raise EngineError(f"{request.request_id}: a request with this id is already running")
         sampling = request.sampling
@@ -554,7 +623,7 @@ class HfEngine(Engine):
 
         Raises:
             EngineError: not started, empty/too long prompt, token id out of
-                range, LoRA requested, duplicate request id, or the forward
+                range, LoRA adapter not loaded, duplicate request id, or the forward
                 pass failed.
         """
         seq = self._new_sequence(request)
@@ -617,7 +686,8 @@ class HfEngine(Engine):
                                 f"{len(prompt)}-token prompt")
         reused: list[torch.Tensor] = []
         if self._prefix_caching:
-            reused = self._cache.peek(compute_block_hashes(prompt, self.block_size)[: len(prompt) // self.block_size])
+            hashes = compute_block_hashes(prompt, self.block_size, request.lora_name)
+            reused = self._cache.peek(hashes[: len(prompt) // self.block_size])
         self._seqs[request.request_id] = seq
         try:
             pulled = await handoff.fetch(len(reused), device=self._device)
@@ -705,7 +775,8 @@ class HfEngine(Engine):
                 # them in a thread keeps the event loop (Kafka I/O, heartbeats,
                 # new requests, aborts) responsive. Only this task touches the
                 # model and the batch, so steps never overlap.
-                results, events = await asyncio.to_thread(self._step, admitted)
+                async with self._model_lock:
+                    results, events = await asyncio.to_thread(self._step, admitted)
             except Exception as exc:  # a failed forward pass fails the requests in it
                 log.exception("hf engine step failed")
                 self._fail(list(self._batch.seqs) + admitted, exc)
@@ -782,12 +853,12 @@ class HfEngine(Engine):
         prompt = seq.token_ids
         blocks: list[torch.Tensor] = []
         if self._prefix_caching:
-            hashes = compute_block_hashes(prompt, self.block_size)
+            hashes = compute_block_hashes(prompt, self.block_size, seq.request.lora_name)
             # Keep at least one prompt token to compute: its logits give the first output token.
             usable = (len(prompt) - 1) // self.block_size
             blocks = self._cache.match(hashes[:usable])
             if self._tiers is not None:
-                blocks += self._onboard(hashes, len(blocks), usable, events)
+                blocks += self._onboard(hashes, len(blocks), usable, events, seq.request.lora_name)
         cached = len(blocks) * self.block_size
         past: LayerKv = []
         if blocks:
@@ -798,14 +869,16 @@ class HfEngine(Engine):
         positions = torch.arange(cached, len(prompt), device=self._device).unsqueeze(0)
         embeds = seq.request.prompt_embeds
         if embeds is not None:  # rows after the cached prefix, in place of the embedding lookup
-            logits, kv = self._forward(None, positions, None, past, embeds[cached:].unsqueeze(0).to(self._device))
+            logits, kv = self._forward(None, positions, None, past, embeds[cached:].unsqueeze(0).to(self._device),
+                                       adapters=[seq])
         else:
             input_ids = torch.tensor([prompt[cached:]], device=self._device)
-            logits, kv = self._forward(input_ids, positions, None, past)
+            logits, kv = self._forward(input_ids, positions, None, past, adapters=[seq])
         self._prefill_tokens_total += len(prompt) - cached
         return kv, logits
 
-    def _onboard(self, hashes: list[int], hits: int, usable: int, events: list[KvEvent]) -> list[torch.Tensor]:
+    def _onboard(self, hashes: list[int], hits: int, usable: int, events: list[KvEvent],
+                 lora_name: str | None = None) -> list[torch.Tensor]:
         """Load ``hashes[hits:usable]``'s leading run held in G2/G3 into G1; return those blocks.
 
         G1's own hits (``hashes[:hits]``) count as reuse of their blocks. The
@@ -827,7 +900,7 @@ class HfEngine(Engine):
         for i, block in enumerate(loaded, start=hits):
             self._cache.insert(hashes[i], block, hashes[i - 1] if i else None)
         events.append(BlockStored(parent_block_hash=hashes[hits - 1] if hits else None,
-                                  block_hashes=hashes[hits:hits + len(loaded)]))
+                                  block_hashes=hashes[hits:hits + len(loaded)], lora_name=lora_name))
         self._cache.touch(hashes[:hits + len(loaded)])
         self._evict(events)
         return loaded
@@ -876,7 +949,7 @@ class HfEngine(Engine):
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self._device)
         positions = torch.tensor([[s.num_kv_tokens] for s in seqs], device=self._device)
         mask = torch.cat((batch.mask, torch.ones(len(seqs), 1, dtype=batch.mask.dtype, device=self._device)), 1)
-        logits, batch.kv = self._forward(input_ids, positions, mask, batch.kv)
+        logits, batch.kv = self._forward(input_ids, positions, mask, batch.kv, adapters=seqs)
         batch.mask = mask
         self.decode_steps_by_batch_size[len(seqs)] += 1
         self._decode_tokens_total += len(seqs)
@@ -912,7 +985,7 @@ class HfEngine(Engine):
         input_ids = torch.tensor([[seq.token_ids[-1], *drafts]], device=self._device)
         positions = torch.arange(start, start + q, device=self._device).unsqueeze(0)
         mask = torch.cat((batch.mask, torch.ones(1, q, dtype=batch.mask.dtype, device=self._device)), 1)
-        logits, kv = self._forward(input_ids, positions, mask, batch.kv, num_logits=q)
+        logits, kv = self._forward(input_ids, positions, mask, batch.kv, num_logits=q, adapters=[seq])
         best = logits[0].argmax(dim=-1).tolist()  # best[j]: the greedy token after input j
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == best[accepted]:
@@ -952,12 +1025,13 @@ class HfEngine(Engine):
 
     def _forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor | None, past: LayerKv,
-        inputs_embeds: torch.Tensor | None = None, num_logits: int = 1,
+        inputs_embeds: torch.Tensor | None = None, num_logits: int = 1, adapters: list[_Sequence] = (),
     ) -> tuple[torch.Tensor, LayerKv]:
         """Run the model on ``input_ids`` ``[B, q]`` (or ``inputs_embeds`` ``[B, q, hidden]``)
         after ``past``; return last-position logits ``[B, vocab]`` (float32; with
         ``num_logits`` > 1 the last that many positions, ``[B, num_logits, vocab]``) and the
-        grown per-layer KV."""
+        grown per-layer KV. ``adapters``: the sequence of each row, whose ``lora_name``
+        picks the row's LoRA adapter once any is loaded."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._model.config)
@@ -965,7 +1039,12 @@ class HfEngine(Engine):
             # Hand our tensors to the cache without the copy its update() would make.
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
-        out = self._model(
+        model, lora = self._model, {}
+        if self._peft is not None:
+            model = self._peft
+            lora = {"adapter_names": [s.request.lora_name or "__base__" for s in adapters]}
+        out = model(
+            **lora,
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             position_ids=positions,
@@ -1045,14 +1124,15 @@ class HfEngine(Engine):
         num_full = seq.num_kv_tokens // self.block_size
         if num_full <= seq.num_stored_blocks or not self._prefix_caching:
             return []
-        hashes = compute_block_hashes(seq.token_ids[: num_full * self.block_size], self.block_size)
+        lora_name = seq.request.lora_name
+        hashes = compute_block_hashes(seq.token_ids[: num_full * self.block_size], self.block_size, lora_name)
         events: list[KvEvent] = []
         run: list[int] = []
         run_parent: int | None = None
         for i in range(seq.num_stored_blocks, num_full):
             if hashes[i] in self._cache:
                 if run:
-                    events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run))
+                    events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, lora_name=lora_name))
                     run = []
                 continue
             if not run:
@@ -1062,7 +1142,7 @@ class HfEngine(Engine):
             self._cache.insert(hashes[i], block, hashes[i - 1] if i else None)
             run.append(hashes[i])
         if run:
-            events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run))
+            events.append(BlockStored(parent_block_hash=run_parent, block_hashes=run, lora_name=lora_name))
         seq.num_stored_blocks = num_full
         self._cache.touch(hashes)
         self._evict(events)
