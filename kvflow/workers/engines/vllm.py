@@ -156,12 +156,17 @@ class VllmOptions:
         speculative_config: vLLM's ``speculative_config``, passed through as
             given (e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_max": 3}``); None: no speculative decoding.
+        kv_offload_gb: host memory for vLLM's own KV offloading, GiB
+            (``--kv-host-gb``; vLLM's ``kv_offloading_size``, its native
+            ``OffloadingConnector``); None: no offloading. vLLM runs it only
+            on CUDA and XPU GPUs.
     """
 
     kv_cache_gb: float | None = None
     dtype: str = "auto"
     compiled: bool | None = None
     speculative_config: dict[str, Any] | None = None
+    kv_offload_gb: float | None = None
 
 
 def platform_block_size(requested: int, device_type: str) -> int:
@@ -205,7 +210,8 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
 
     Raises:
         ValueError: ``kv_cache_gb <= 0``, or a size was asked for on a GPU
-            release without ``kv_cache_memory_bytes``.
+            release without ``kv_cache_memory_bytes``; ``kv_offload_gb`` on a
+            platform or release without vLLM's KV offloading.
     """
     cpu = device_type == "cpu"
     kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if cpu else None)
@@ -233,6 +239,17 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
                              "gpu_memory_utilization in the engine's extra settings instead of kv_cache_gb")
     if options.speculative_config:
         args["speculative_config"] = dict(options.speculative_config)
+    if options.kv_offload_gb:
+        if options.kv_offload_gb < 0:
+            raise ValueError(f"kv_offload_gb must be > 0, got {options.kv_offload_gb}")
+        if device_type not in ("cuda", "rocm", "xpu"):
+            # vLLM 0.32's CPU build refuses its own offloading at start ("CPU Offloading is currently
+            # only supported on CUDA-alike and XPU GPUs"): say so before loading the model.
+            raise ValueError(f"vLLM's KV offloading (--kv-host-gb) runs on CUDA and XPU GPUs only, not on "
+                             f"{device_type!r}")
+        if "kv_offloading_size" not in arg_names:
+            raise ValueError("this vLLM release has no kv_offloading_size: KV offloading needs a newer vLLM")
+        args["kv_offloading_size"] = float(options.kv_offload_gb)
     args.update(config.extra)
     return args, env
 
