@@ -42,7 +42,7 @@ async def router(kafka):
     await r.app.stop()
 
 
-async def read_partition(settings, topic, partition, n, timeout_s=10.0):
+async def read_partition(settings, topic, partition, n, timeout_s=60.0):
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
     consumer.assign([TopicPartition(topic, partition)])
