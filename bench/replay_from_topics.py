@@ -7,16 +7,20 @@
    ``--concurrency`` at a time, groups interleaved in a seeded random order.
    The bridge tokenizes, so the requests topic holds the token ids.
 3. ``kvflow replay --from-topics --since T0 --until T1`` with ``--policy kv``
-   and with ``--policy round_robin``, same worker count and mocker speed;
-   each writes the recorded run's and the replay's JSON reports.
+   and with ``--policy round_robin``, same worker count and mocker speed,
+   with the broker hop the replay measures from the log (``--hop-ms``
+   unset), then ``kv`` once more with ``--hop-ms 0`` (records folded at
+   once, as the simulator does without a hop); each writes the recorded
+   run's and the replay's JSON reports.
 
     python bench/replay_from_topics.py [--requests 300] [--workers 2] [--groups 24] [--concurrency 8]
                                        [--speedup-ratio 20] [--num-kv-blocks 1024] [--replay-speedup-ratio R]
                                        [--out DIR]
 
 Last stdout line: one JSON object with the hit rates (recorded, kv replay,
-round-robin replay), the kv replay's relative error against the recording,
-and where the reports and plots are.
+round-robin replay, kv replay without the hop), the kv replays' relative
+errors against the recording, the measured hop, and where the reports and
+plots are.
 """
 
 from __future__ import annotations
@@ -87,14 +91,18 @@ async def drive(url: str, requests: int, groups: int, concurrency: int, seed: in
 
 
 def replay(port: int, data_dir: Path, since: int, until: int, policy: str, workers: int, speedup: float,
-           out: Path) -> dict:
-    """Run ``kvflow replay --from-topics`` against the deployment; its JSON report."""
+           out: Path, hop_ms: float | None = None, label: str | None = None) -> dict:
+    """Run ``kvflow replay --from-topics`` against the deployment; its JSON report.
+    ``hop_ms``: the simulated broker hop (None: measured from the log)."""
+    label = label or policy
     cmd = [sys.executable, "-m", "kvflow", "replay", "--from-topics", "--since", str(since), "--until", str(until),
            "--policy", policy, "--workers", str(workers), "--speedup-ratio", str(speedup), "--no-progress",
-           "--json", str(out / f"{policy}.json"), "--recorded-json", str(out / "recorded.json"),
-           "--plots", str(out / f"plots_{policy}"), "--port", str(port), "--data-dir", str(data_dir)]
+           "--json", str(out / f"{label}.json"), "--recorded-json", str(out / "recorded.json"),
+           "--plots", str(out / f"plots_{label}"), "--save-trace", str(out / "trace.jsonl"), "--port", str(port), "--data-dir", str(data_dir)]
+    if hop_ms is not None:
+        cmd += ["--hop-ms", str(hop_ms)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / f"{policy}.json").read_text())
+    return json.loads((out / f"{label}.json").read_text())
 
 
 def main() -> None:
@@ -129,6 +137,7 @@ def main() -> None:
         speed = args.replay_speedup_ratio or args.speedup_ratio
         kv = replay(port, data_dir, since, until, "kv", args.workers, speed, out)
         rr = replay(port, data_dir, since, until, "round_robin", args.workers, speed, out)
+        kv0 = replay(port, data_dir, since, until, "kv", args.workers, speed, out, hop_ms=0.0, label="kv_no_hop")
         recorded = json.loads((out / "recorded.json").read_text())
     finally:
         os.killpg(up.pid, signal.SIGINT)
@@ -141,7 +150,11 @@ def main() -> None:
         "kv_replay_hit_rate": round(kv["prefix_hit_rate"], 4),
         "round_robin_replay_hit_rate": round(rr["prefix_hit_rate"], 4),
         "kv_replay_relative_error": round(abs(kv["prefix_hit_rate"] - rec_hit) / rec_hit, 4) if rec_hit else None,
+        "hop_ms": kv["options"].get("hop_ms"),
+        "kv_no_hop_replay_hit_rate": round(kv0["prefix_hit_rate"], 4),
+        "kv_no_hop_relative_error": round(abs(kv0["prefix_hit_rate"] - rec_hit) / rec_hit, 4) if rec_hit else None,
         "recorded_ttft_p50_ms": recorded["ttft_ms"]["p50"], "kv_replay_ttft_p50_ms": kv["ttft_ms"]["p50"],
+        "kv_no_hop_replay_ttft_p50_ms": kv0["ttft_ms"]["p50"],
         "out": str(out),
     }))
 

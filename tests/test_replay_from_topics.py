@@ -85,6 +85,9 @@ async def test_replay_from_topics_with_kv_and_round_robin(recorded_window, tmp_p
     assert kv["requests"] == rr["requests"] == recorded["requests"] == GROUPS * PER_GROUP
     assert kv["workers"] == rr["workers"] == 2  # the recorded decisions routed to two workers
     assert kv["policy"] == "kv" and rr["policy"] == "round_robin"
+    # Both replays delay records by the broker hop measured on the recording.
+    hop = (await read_recorded(settings, since, until, catalog)).hop_ms()
+    assert kv["options"]["hop_ms"] == rr["options"]["hop_ms"] == hop >= 0
     # Round-robin scatters each group's prefix over both workers: it hits less than kv routing.
     assert kv["prefix_hit_rate"] > rr["prefix_hit_rate"]
     assert (tmp_path / "kv" / "compare_cdf.png").stat().st_size > 0

@@ -98,6 +98,32 @@ def test_shared_prefix_is_served_from_cache():
     assert report.prefix_hit_rate == pytest.approx(cached / 2000)
 
 
+def test_broker_hop_delays_the_engine_and_the_routers_view():
+    # hop_ms: the router decides one hop after the arrival, the engine gets the request one hop after the
+    # decision, and the workers' KV events reach the router one hop after their step.
+    same = (5, 6)
+    alone = by_id(simulate([req(0, 0.0, 1000, 3, same)], SimConfig(workers=1, mocker=cfg())))["r0"]
+    hopped = by_id(simulate([req(0, 0.0, 1000, 3, same)], SimConfig(workers=1, mocker=cfg(), hop_ms=40.0)))["r0"]
+    assert hopped.first_token_ms - hopped.arrival_ms == pytest.approx(alone.first_token_ms + 80.0)
+    assert hopped.finish_ms - hopped.arrival_ms == pytest.approx(alone.finish_ms + 80.0)
+    # A repeat of the prompt arriving just after the first one finished: without hops the router has its
+    # blocks and sends the repeat there; one hop of 1 s later it has neither the blocks nor the finish
+    # record, so the first worker still looks busy and the repeat goes to the other one, uncached.
+    repeat = [req(0, 0.0, 1000, 3, same), req(1, alone.finish_ms + 1.0, 1000, 3, same)]
+    at_once = by_id(simulate(repeat, SimConfig(workers=2, policy="kv", mocker=cfg())))
+    late = by_id(simulate(repeat, SimConfig(workers=2, policy="kv", mocker=cfg(), hop_ms=1000.0)))
+    assert at_once["r1"].worker_id == at_once["r0"].worker_id and at_once["r1"].cached_tokens > 0
+    assert late["r1"].worker_id != late["r0"].worker_id and late["r1"].cached_tokens == 0
+    assert all(r.error is None for r in [*at_once.values(), *late.values()])
+
+
+def test_hop_settings_are_checked():
+    with pytest.raises(ValueError, match="hop_ms"):
+        SimConfig(hop_ms=-1.0)
+    with pytest.raises(ValueError, match="heartbeat_interval_ms"):
+        SimConfig(heartbeat_interval_ms=0.0)
+
+
 def test_queueing_delay_when_the_engine_is_full():
     # One sequence at a time: r1 waits until r0 has finished its 3 tokens.
     res = simulate([req(0, 0.0, 1000, 3), req(1, 0.0, 1000, 2)],

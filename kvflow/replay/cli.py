@@ -161,6 +161,9 @@ def replay(
     adjustment_interval_s: Annotated[float, typer.Option(help="planner: simulated seconds between decisions")] = 60.0,
     reactive_interval_s: Annotated[float, typer.Option(
         min=0, help="planner: simulated seconds between fast reactive checks between decisions (0: none)")] = 1.0,
+    hop_ms: Annotated[Optional[float], typer.Option(
+        min=0, help="offline: simulated ms of one hop through the broker (records reach their consumer that "
+                    "much later; 0: at once). Default: measured from the log with --from-topics, else 0")] = None,
     worker_startup_s: Annotated[float, typer.Option(
         min=0, help="offline: simulated seconds a worker the planner starts needs before it takes requests")] = 0.0,
     scale_down_hold_intervals: Annotated[int, typer.Option(
@@ -199,14 +202,16 @@ def replay(
             raise typer.BadParameter("--from-topics replays offline and takes no trace file")
         settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
                                  bootstrap_servers=bootstrap_servers, namespace=namespace)
-        recorded, trace_file = _from_topics(settings, parse_time_ms(since), parse_time_ms(until), save_trace,
+        recorded, trace_file, measured_hop_ms = _from_topics(settings, parse_time_ms(since), parse_time_ms(until), save_trace,
                                             sla_ttft_ms, sla_itl_ms, progress)
         if recorded_json is not None:
             from kvflow.replay.report import write_json
 
             write_json(recorded, recorded_json)
         typer.echo(f"recorded: {recorded.requests} requests, {recorded.workers} workers, policy {recorded.policy}, "
-                   f"prefix hit rate {recorded.prefix_hit_rate:.4f}")
+                   f"prefix hit rate {recorded.prefix_hit_rate:.4f}, broker hop {measured_hop_ms:.1f} ms")
+        if hop_ms is None:
+            hop_ms = measured_hop_ms
         targets = [str(trace_file)]
         if workers is None:
             workers = recorded.workers or 1
@@ -285,7 +290,8 @@ def replay(
                                  shed=ShedConfig.from_settings(settings),
                                  reactive_interval_s=reactive_interval_s or None,
                                  pool_workers=_pool_counts(pool_workers),
-                                 pool_grid=load_pool_grid(pool_grid) if pool_grid else None, **plan, **common)
+                                 pool_grid=load_pool_grid(pool_grid) if pool_grid else None,
+                                 hop_ms=hop_ms or 0.0, **plan, **common)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     elif mode == "online":
@@ -331,7 +337,8 @@ def replay(
 def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None, sla_ttft_ms: float,
                  sla_itl_ms: float, progress: bool = True):
     """Read the deployment's log for ``[since_ms, until_ms)``: the recorded run's
-    report and the trace file it was rebuilt into (``save_trace``, else a temporary file).
+    report, the trace file it was rebuilt into (``save_trace``, else a temporary file)
+    and the broker hop measured on it (ms, :meth:`~kvflow.replay.from_log.RecordedRun.hop_ms`).
 
     Raises:
         typer.BadParameter: no request was created in the window.
@@ -348,7 +355,7 @@ def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None
     path = save_trace or Path(tempfile.mkdtemp(prefix="kvflow-replay-")) / "topics.jsonl"
     write_trace(run, path)
     return recorded_report(run, trace=f"topics[{since_ms},{until_ms})", sla_ttft_ms=sla_ttft_ms,
-                           sla_itl_ms=sla_itl_ms), path
+                           sla_itl_ms=sla_itl_ms), path, run.hop_ms()
 
 
 def _pool_counts(spec: str | None) -> dict[str, int]:

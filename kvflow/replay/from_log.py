@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,27 @@ class RecordedRun:
     def routed_workers(self) -> list[str]:
         """Workers the recorded decisions routed to, sorted."""
         return sorted({d.worker_id for d in self.decisions.values() if d.worker_id})
+
+    def hop_ms(self) -> float:
+        """One hop through the broker as this run paid it, in ms: the median of
+        the request hop (the router's ``decided_ms`` − the request's
+        ``created_ms``) and the queue hop (the worker's ``queued_ms`` − the
+        decision's ``decided_ms``) over every routed request with a final
+        response, both hops pooled; 0.0 when none. Both ends of each hop are
+        epoch ms of two processes, so this assumes their clocks agree (one
+        host, or NTP-synchronised hosts, where skew adds to it). Each hop
+        includes the consumer's own processing before it stamps the record.
+        The offline simulator delays records by it (``SimConfig.hop_ms``).
+        """
+        hops: list[int] = []
+        for req in self.requests:
+            decision = self.decisions.get(req.request_id)
+            final = self.finals.get(req.request_id)
+            if decision is None or final is None or not final.timings.queued_ms:
+                continue
+            hops.append(max(0, decision.decided_ms - req.created_ms))
+            hops.append(max(0, final.timings.queued_ms - decision.decided_ms))
+        return float(statistics.median(hops)) if hops else 0.0
 
     def geometry(self) -> tuple[int | None, int | None]:
         """``(block_size, kv_total_blocks)`` of the routed workers (the first one's; None unknown)."""

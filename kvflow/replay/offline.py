@@ -54,7 +54,7 @@ def _options(trace: Trace, config: SimConfig, res: SimResult) -> dict:
     kv = {} if config.kv is None else {"kv_weights": dataclasses.asdict(config.kv)}
     shed = {k: v.value if hasattr(v, "value") else v for k, v in dataclasses.asdict(config.shed).items()}
     return {**trace.options, **kv, "shed": shed, "engine_steps": res.steps, "stalled_steps": res.stalls,
-            "router": res.router_counts, "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}}
+            "router": res.router_counts, "hop_ms": config.hop_ms, "profile_s": {k: round(v, 3) for k, v in res.profile_s.items()}}
 
 
 def _router_counts(res: SimResult) -> dict:
@@ -104,6 +104,7 @@ def run_offline(
     reactive_interval_s: float | None = 1.0,
     pool_workers: dict[str, int] | None = None,
     pool_grid: PoolGrid | None = None,
+    hop_ms: float = 0.0,
 ) -> Report:
     """Replay a trace file through the offline simulator and summarise it.
 
@@ -154,6 +155,8 @@ def run_offline(
         pool_workers: aggregated workers per worker pool, beside ``workers``
             (the default pool); the report's ``pools`` gives each pool's figures.
         pool_grid: the global router's pool grid (:mod:`kvflow.router.pools`).
+        hop_ms: simulated ms of one broker hop (:class:`SimConfig`); recorded
+            in ``options["hop_ms"]``.
 
     Returns:
         The :class:`Report`.
@@ -173,7 +176,7 @@ def run_offline(
                        sample_interval_ms=sample_interval_ms, prefill_workers=prefill_workers,
                        decode_workers=decode_workers, disagg=disagg, worker_startup_ms=worker_startup_ms,
                        kv=kv_config, shed=shed or ShedConfig(), pool_workers=dict(pool_workers or {}),
-                       pool_grid=pool_grid)
+                       pool_grid=pool_grid, hop_ms=hop_ms)
     if planner is not None:
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")

@@ -137,6 +137,8 @@ log = logging.getLogger(__name__)
 
 # Heap tie-break order at equal times (arrivals are merged from the sorted list before all of these).
 _ARRIVAL_KIND, _TRANSFER_END, _STEP_END, _STEP_START, _TICK, _READY, _ROUTER_TICK = -1, 0, 1, 2, 3, 4, 5
+_DELIVER, _HEARTBEAT = 6, 7  # a record one hop later; a worker's periodic heartbeat (only with ``hop_ms``)
+_BACKGROUND = (_TICK, _HEARTBEAT)  # periodic: they do not keep the simulation alive
 
 _ROLE_PREFIX = {WorkerRole.aggregated: "worker", WorkerRole.prefill: "prefill", WorkerRole.decode: "decode"}
 
@@ -197,6 +199,22 @@ class SimConfig:
             Defaults to none.
         pool_grid: the global router's pool grid (:mod:`kvflow.router.pools`,
             the live ``router_pool_grid``); None = one pool. Defaults to ``None``.
+        hop_ms: simulated ms of one hop through the broker (produce to
+            consume). With ``hop_ms > 0`` the router decides on each arrival
+            one hop after it arrived, a routed request reaches its worker's
+            engine one hop after the decision (counted on the worker by the
+            router meanwhile, as the live router counts its own decisions),
+            and the workers' admission and finish records, KV events and
+            heartbeats reach the router one hop after they were produced;
+            heartbeats are then taken every ``heartbeat_interval_ms``, as live
+            workers send them. ``0`` (default): every record is folded the
+            moment it is produced and every worker's heartbeat is refreshed
+            before each decision (the router sees the engines exactly).
+            ``kvflow replay --from-topics`` measures it from the recording
+            (:meth:`kvflow.replay.from_log.RecordedRun.hop_ms`).
+        heartbeat_interval_ms: ms between a worker's heartbeats when
+            ``hop_ms > 0``. Defaults to ``1000`` (the live
+            ``heartbeat_interval_ms``).
     """
 
     workers: int = 8
@@ -215,10 +233,16 @@ class SimConfig:
     router_tick_ms: float = 1000.0
     pool_workers: dict[str, int] = field(default_factory=dict)
     pool_grid: PoolGrid | None = None
+    hop_ms: float = 0.0
+    heartbeat_interval_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.worker_startup_ms < 0:
             raise ValueError(f"worker_startup_ms must be >= 0, got {self.worker_startup_ms}")
+        if self.hop_ms < 0:
+            raise ValueError(f"hop_ms must be >= 0, got {self.hop_ms}")
+        if self.heartbeat_interval_ms <= 0:
+            raise ValueError(f"heartbeat_interval_ms must be > 0, got {self.heartbeat_interval_ms}")
         if self.router_tick_ms <= 0:
             raise ValueError(f"router_tick_ms must be > 0, got {self.router_tick_ms}")
 
@@ -372,6 +396,9 @@ class Simulation:
             self.need_block_hashes and 512 % self.mocker_config.block_size == 0) else None
         self._heap: list[tuple[float, int, int, str]] = []
         self._seq = 0
+        self._foreground = 0  # events on the heap that keep the simulation alive (not _BACKGROUND)
+        self._hop = config.hop_ms
+        self._deliveries: dict[int, tuple] = {}  # heap seq → (fold, record) due then (_DELIVER)
         self._records: dict[str, RequestRecord] = {}
         self._last_token: dict[str, float] = {}
         self._itl = array("d")
@@ -424,8 +451,14 @@ class Simulation:
         if w.ready_ms > self.now_ms:
             self._push(w.ready_ms, _READY, worker_id)
         else:
-            self._heartbeat(w)
+            self._register(w)
         return worker_id
+
+    def _register(self, w: SimWorker) -> None:
+        """``w`` is ready: its first heartbeat, then (with ``hop_ms``) one every ``heartbeat_interval_ms``."""
+        self._heartbeat(w)
+        if self._hop:
+            self._push(self.now_ms + self.config.heartbeat_interval_ms, _HEARTBEAT, w.worker_id)
 
     def drain_worker(self, worker_id: str) -> None:
         """Route nothing new to ``worker_id``; it finishes its in-flight requests.
@@ -444,17 +477,28 @@ class Simulation:
         if w.ready_ms > self.now_ms:
             return
         s = w.core.stats(w.pending)
-        self.core.on_heartbeat(WorkerHeartbeat(
+        hb = WorkerHeartbeat(
             worker_id=w.worker_id, role=w.role, status=WorkerStatus.draining if w.draining else WorkerStatus.serving,
             model=self.config.model, engine="mocker", block_size=s.block_size, kv_total_blocks=s.total_blocks,
             kv_used_blocks=s.used_blocks, queue_topic="sim", queue_partition=0, active_requests=s.active_requests,
             waiting_requests=s.waiting_requests, active_prefill_tokens=s.active_prefill_tokens,
-            ts_ms=int(self.now_ms), lifecycle_seq=w.lifecycle_seq, inflight_requests=len(w.held), pool=w.pool))
+            ts_ms=int(self.now_ms), lifecycle_seq=w.lifecycle_seq, inflight_requests=len(w.held), pool=w.pool)
+        self._to_router(self.core.on_heartbeat, hb)
+
+    def _to_router(self, fold, record) -> None:
+        """``fold(record)`` now, or one hop from now (``hop_ms``): a record reaching its consumer."""
+        if not self._hop:
+            fold(record)
+            return
+        self._seq += 1
+        self._deliveries[self._seq] = (fold, record)
+        self._foreground += 1
+        heapq.heappush(self._heap, (self.now_ms + self._hop, _DELIVER, self._seq, ""))
 
     def _admitted(self, w: SimWorker, request: GenerateRequest, prefill_tokens: int) -> None:
         """``w`` took ``request`` (its :class:`RequestAdmitted`, folded at once)."""
         w.held.add(request.request_id)
-        self.core.on_request_admitted(RequestAdmitted(
+        self._to_router(self.core.on_request_admitted, RequestAdmitted(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request.request_id,
             prompt_tokens=len(request.prompt_token_ids), prefill_tokens=max(0, prefill_tokens),
             ts_ms=int(self.now_ms)))
@@ -463,7 +507,7 @@ class Simulation:
     def _finished(self, w: SimWorker, request_id: str) -> None:
         """``request_id`` ended on ``w`` (its :class:`RequestFinished`, folded at once)."""
         w.held.discard(request_id)
-        self.core.on_request_finished(RequestFinished(
+        self._to_router(self.core.on_request_finished, RequestFinished(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request_id,
             ts_ms=int(self.now_ms)))
         w.lifecycle_seq += 1
@@ -472,6 +516,8 @@ class Simulation:
 
     def _push(self, t: float, kind: int, worker_id: str) -> None:
         self._seq += 1
+        if kind not in _BACKGROUND:
+            self._foreground += 1
         heapq.heappush(self._heap, (t, kind, self._seq, worker_id))
 
     def _block_hashes(self, req: TraceRequest, tokens: list[int]) -> tuple[int, ...]:
@@ -487,8 +533,9 @@ class Simulation:
         tick releases it. Shed or rejected (no worker), or refused by the
         engine: recorded as the request's error.
         """
-        for w in self.workers.values():
-            self._heartbeat(w)
+        if not self._hop:  # with hops, the router has what the periodic heartbeats brought
+            for w in self.workers.values():
+                self._heartbeat(w)
         tokens = req.prompt_token_ids()
         hashes = self._block_hashes(req, tokens) if self.need_block_hashes else ()
         deadline = None if req.timeout_ms is None else int(self.now_ms + req.timeout_ms)
@@ -501,8 +548,9 @@ class Simulation:
     def _router_tick(self) -> None:
         """The router core's tick: release or drop held requests; tick again while some are held."""
         self._router_tick_due = False
-        for w in self.workers.values():
-            self._heartbeat(w)
+        if not self._hop:
+            for w in self.workers.values():
+                self._heartbeat(w)
         for effect in self.core.tick(int(self.now_ms)):
             if isinstance(effect, Decision):  # the other effects need a broker, or events that can be lost
                 self._carry_out(effect)
@@ -523,7 +571,10 @@ class Simulation:
         rec = self._records[req.request_id]
         outcome = decision.outcome
         if outcome is DecisionOutcome.routed:
-            self._place(decision, req, rec, tokens)
+            if self._hop:  # through the worker's queue topic
+                self._to_router(lambda args: self._place(*args), (decision, req, rec, tokens))
+            else:
+                self._place(decision, req, rec, tokens)
         elif outcome is DecisionOutcome.queued:
             self._schedule_router_tick()
         else:
@@ -633,7 +684,7 @@ class Simulation:
             else:
                 last[rid] = now
         if res.kv_events and self.kv_hook is not None:
-            self.kv_hook.on_kv_events(w.worker_id, res.kv_events)
+            self._to_router(lambda ev, hook=self.kv_hook, wid=w.worker_id: hook.on_kv_events(wid, ev), res.kv_events)
         w.stepping = w.core.has_work()
 
     def _prefill_done(self, rid: str, out: EngineOutput) -> None:
@@ -716,7 +767,7 @@ class Simulation:
             while True:
                 t_arr = reqs[i].arrival_ms if i < n else inf
                 # Ticks alone do not keep the simulation alive.
-                live_heap = heap and (heap[0][1] != _TICK or any(w.stepping for w in self.workers.values()))
+                live_heap = heap and (self._foreground > 0 or any(w.stepping for w in self.workers.values()))
                 if t_arr == inf and not live_heap:
                     break
                 t_next = t_arr if not heap or t_arr <= heap[0][0] else heap[0][0]
@@ -729,16 +780,31 @@ class Simulation:
                     i += 1
                     self._window[2] += 1
                     t0 = pc()
-                    self.dispatch(reqs[i - 1])
+                    if self._hop:  # through the requests topic
+                        self._to_router(self.dispatch, reqs[i - 1])
+                    else:
+                        self.dispatch(reqs[i - 1])
                     prof["routing"] += pc() - t0
                     continue
-                _, kind, _, worker_id = heapq.heappop(heap)
+                _, kind, seq, worker_id = heapq.heappop(heap)
+                if kind not in _BACKGROUND:
+                    self._foreground -= 1
+                if kind == _DELIVER:
+                    fold, record = self._deliveries.pop(seq)
+                    t0 = pc()
+                    fold(record)
+                    prof["routing"] += pc() - t0
+                    continue
+                if kind == _HEARTBEAT:
+                    self._heartbeat(self.workers[worker_id])
+                    self._push(t_next + self.config.heartbeat_interval_ms, _HEARTBEAT, worker_id)
+                    continue
                 if kind == _TICK:
                     self.planner.on_tick(t_next, self)
                     self._push(t_next + self.planner.interval_ms, _TICK, "")
                     continue
                 if kind == _READY:
-                    self._heartbeat(self.workers[worker_id])
+                    self._register(self.workers[worker_id])
                     continue
                 if kind == _ROUTER_TICK:
                     t0 = pc()
