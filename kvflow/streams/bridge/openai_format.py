@@ -156,7 +156,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
                 continue
             if with_media and MEDIA_MARKER in part.text:
                 raise invalid_request(f"messages[{i}].content: text must not contain U+FFFC (it marks where "
-                                      "media parts stand).", param=f"messages.{i}.content")
+                                      "media parts stand).", param=f"messages.{i}.content", code="invalid_value")
             pieces.append(part.text)
         out.append(ChatMessage(role=message.role, content="".join(pieces)))
     return out
