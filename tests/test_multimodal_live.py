@@ -142,3 +142,35 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
         finally:
             encoder.stop()
             await encoding
+
+
+async def test_kvflow_up_runs_encode_workers(kafka):
+    """The processes `kvflow up --encode-workers 1` starts: a mocker worker and an
+    encode worker process (its Prometheus series on the worker metrics URL)."""
+    import base64
+
+    from deployment import wait_bridge_healthy
+    from kvflow.streams.broker import free_port
+    from kvflow.supervisor import Supervisor, WorkerSpec
+
+    settings, _ = kafka
+    sup = Supervisor(settings.model_copy(update={"metrics_port": 0}), WorkerSpec(engine="mocker", model=MODEL),
+                     port=free_port())
+    await sup.start()
+    try:
+        await sup.start_worker(WorkerRole.aggregated)
+        await sup.start_worker(WorkerRole.encode)
+        await sup.wait_workers_ready(2, timeout_s=120)
+        await wait_bridge_healthy(sup.url)
+        image = "data:image/png;base64," + base64.b64encode(_png((0, 200, 0))).decode()
+        async with httpx.AsyncClient(timeout=120) as http:
+            for _ in range(2):
+                reply = await http.post(f"{sup.url}/v1/chat/completions", json=_chat(image))
+                assert reply.status_code == 200, reply.text
+            (encode_url,) = [c.metrics_url for c in sup.children.values() if c.role is WorkerRole.encode]
+            exposition = (await http.get(encode_url)).text
+        assert "kvflow_encode_cache_misses_total" in exposition
+        assert any(line.startswith("kvflow_encode_cache_hits_total") and line.endswith(" 1.0")
+                   for line in exposition.splitlines()), exposition
+    finally:
+        await sup.stop()
