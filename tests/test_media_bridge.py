@@ -93,7 +93,7 @@ def _media_app() -> Starlette:
 
     return Starlette(routes=[
         Route("/cat.png", fixed(PNG, "image/png")), Route("/noise.png", fixed(NOISE, "image/png")), Route("/big.png", fixed(b"x" * (LIMIT + 1), "image/png")),
-        Route("/page", fixed(b"<html></html>", "text/html")), Route("/clip.gif", fixed(_gif(), "image/gif")),
+        Route("/page", fixed(b"<html></html>", "text/html")), Route("/long", fixed(PNG, "image/" + "x" * 200)), Route("/clip.gif", fixed(_gif(), "image/gif")),
         Route("/to-private", redirect("http://10.0.0.7/img.png")),
         Route("/to-metadata", redirect("http://169.254.169.254/latest/meta-data/")),
     ])
@@ -131,7 +131,7 @@ def _state(source: RecordingSource, *, encode_workers: bool = True, **settings) 
 
 
 @pytest.fixture
-async def media(tmp_path):
+async def media():
     async with serve_app(_media_app()) as url:
         yield url
 
@@ -209,6 +209,7 @@ async def test_every_fetch_refusal_is_a_400_and_sends_nothing(bridges, media, tm
     assert "outside the directories" in _refusal(await _post(url, _chat(_image(f"file://{root}/../secret.png"))))
     assert "larger than" in _refusal(await _post(url, _chat(_image(f"{media}/big.png"))))
     assert "text/html" in _refusal(await _post(url, _chat(_image(f"{media}/page"))))
+    assert "content type is longer" in _refusal(await _post(url, _chat(_image(f"{media}/long"))))
     for hop in ("to-private", "to-metadata"):
         assert "private, loopback or link-local" in _refusal(await _post(url, _chat(_image(f"{media}/{hop}"))))
     # A video URL may not name an HTML page either; audio must be base64 of at most the limit.

@@ -36,6 +36,7 @@ from kvflow.schemas.prompt_embeds import PromptEmbeds
 
 __all__ = [
     "MAX_MEDIA_ITEMS",
+    "MAX_CONTENT_TYPE_CHARS",
     "MEDIA_MARKER",
     "PLACEHOLDER_TOKEN_ID",
     "MediaKind",
@@ -47,6 +48,9 @@ __all__ = [
 
 MAX_MEDIA_ITEMS = 16
 """Most media items one request may carry."""
+
+MAX_CONTENT_TYPE_CHARS = 128
+"""Longest media type a media item may name (characters)."""
 
 MEDIA_MARKER = "\ufffc"
 """Where a media item stands in a chat message's text (U+FFFC OBJECT
@@ -92,7 +96,7 @@ class MediaItem(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     kind: MediaKind
-    content_type: str = Field(min_length=1, max_length=128)
+    content_type: str = Field(min_length=1, max_length=MAX_CONTENT_TYPE_CHARS)
     content_hash: int = Field(ge=0, lt=1 << 64)
     offset: int = Field(ge=0)
     num_tokens: int = Field(ge=1)

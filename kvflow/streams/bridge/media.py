@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.schemas import ChatMessage, MediaItem, MediaKind
-from kvflow.schemas.media import MAX_MEDIA_ITEMS, MEDIA_MARKER, PLACEHOLDER_TOKEN_ID
+from kvflow.schemas.media import MAX_CONTENT_TYPE_CHARS, MAX_MEDIA_ITEMS, MEDIA_MARKER, PLACEHOLDER_TOKEN_ID
 from kvflow.schemas.openai import ChatCompletionRequest, ImageUrlPart, InputAudioPart, VideoUrlPart
 from kvflow.settings import Settings
 from kvflow.streams.bridge.errors import BridgeError, invalid_request
@@ -111,7 +111,10 @@ async def _fetch(ref: MediaRef, policy: MediaPolicy) -> FetchedMedia:
     if ref.kind is MediaKind.audio:
         return _audio(ref, policy)
     types = ("image/",) if ref.kind is MediaKind.image else VIDEO_TYPES
-    return await fetch_media(ref.url or "", dataclasses.replace(policy, content_types=types), param=ref.param)
+    media = await fetch_media(ref.url or "", dataclasses.replace(policy, content_types=types), param=ref.param)
+    if len(media.content_type) > MAX_CONTENT_TYPE_CHARS:  # a record field is bounded; so is what fills it
+        raise _refused(f"the media's content type is longer than {MAX_CONTENT_TYPE_CHARS} characters", ref.param)
+    return media
 
 
 async def fetch_all(refs: Sequence[MediaRef], settings: Settings) -> list[FetchedMedia]:
