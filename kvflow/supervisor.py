@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerSpec:
     """How to start workers: engine name, model spec and extra CLI args of
-    generation workers; the encoder model of embedding workers."""
+    generation workers (encode workers encode media for that model); the
+    encoder model of embedding workers."""
 
     engine: str = "mocker"
     model: str = "SmolLM2-135M-Instruct"
@@ -162,6 +163,8 @@ class Supervisor:
         worker_id = f"{role.value[:3]}-{slot}-{os.getpid()}-{self._counter}"
         if role is WorkerRole.embedding:
             what = ["--model", self.spec.embedding_model]
+        elif role is WorkerRole.encode:  # the media encoder of the generation workers' model
+            what = ["--engine", self.spec.engine, "--model", self.spec.model]
         else:
             what = ["--engine", self.spec.engine, "--model", self.spec.model, *self.spec.extra_args]
         args = [

@@ -204,12 +204,16 @@ def test_sampling_defaults_when_no_max_tokens_given():
     assert params.stop == [] and params.temperature == 1.0
 
 
-def test_non_text_content_part_is_rejected_with_400():
+def test_unknown_content_part_is_rejected_with_400_and_media_parts_leave_a_marker():
     body = ChatCompletionRequest.model_validate(chat_body(messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
+        {"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]))
     with pytest.raises(BridgeError) as exc:
         chat_messages(body)
     assert exc.value.status == 400 and exc.value.param == "messages.0.content"
+    body = ChatCompletionRequest.model_validate(chat_body(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is this? "},
+                                     {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
+    assert chat_messages(body)[0].content == "What is this? \ufffc"
 
 
 @pytest.mark.parametrize("kind,raw,rejected", [

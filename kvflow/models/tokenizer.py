@@ -38,6 +38,11 @@ class Tokenizer(Protocol):
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a plain text prompt."""
 
+    def encode_chat_parts(self, messages: Sequence[ChatMessage], marker: str) -> list[list[int]]:
+        """Token ids of a chat as :meth:`encode_chat`, split where ``marker``
+        stands in the message text (the marker itself dropped): one list
+        more than the marker occurs."""
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens skipped."""
 
@@ -84,6 +89,20 @@ class ByteTokenizer:
             ids += self._bytes(f"<|{role}|>\n{content}")
             ids.append(self.EOT)
         return ids + self._bytes("<|assistant|>\n")
+
+    def encode_chat_parts(self, messages: Sequence[ChatMessage | dict], marker: str) -> list[list[int]]:
+        """:meth:`encode_chat` split where ``marker`` stands in a message's text
+        (marker bytes dropped); ``len(result)`` = occurrences + 1."""
+        parts: list[list[int]] = [[self.BOS]]
+        for message in messages:
+            role, content = _role_and_content(message)
+            pieces = f"<|{role}|>\n{content}".split(marker)
+            parts[-1] += self._bytes(pieces[0])
+            for piece in pieces[1:]:
+                parts.append(self._bytes(piece))
+            parts[-1].append(self.EOT)
+        parts[-1] += self._bytes("<|assistant|>\n")
+        return parts
 
     def decode(self, token_ids: Iterable[int]) -> str:
         """Text of the byte ids in ``token_ids``; specials and ids >= 260 are skipped."""
@@ -133,12 +152,23 @@ class HfTokenizer:
 
     def encode_chat(self, messages: Sequence[ChatMessage | dict]) -> list[int]:
         """Ids of the chat rendered by the chat template, ready for the assistant's turn."""
+        return list(self._tok.encode(self._render_chat(messages), add_special_tokens=False))
+
+    def encode_chat_parts(self, messages: Sequence[ChatMessage | dict], marker: str) -> list[list[int]]:
+        """The chat rendered as :meth:`encode_chat` does, cut where ``marker``
+        stands, each piece encoded on its own (``len(result)`` = occurrences + 1).
+
+        Encoding the pieces apart keeps every token out of the marker's place,
+        so a media item's placeholder run starts exactly at the cut.
+        """
+        return [list(self._tok.encode(piece, add_special_tokens=False))
+                for piece in self._render_chat(messages).split(marker)]
+
+    def _render_chat(self, messages: Sequence[ChatMessage | dict]) -> str:
         turns = [dict(zip(("role", "content"), _role_and_content(m))) for m in messages]
         if self._tok.chat_template:
-            text = self._tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        else:
-            text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
-        return list(self._tok.encode(text, add_special_tokens=False))
+            return self._tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""

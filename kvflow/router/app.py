@@ -37,7 +37,9 @@ Faust agents (consumer group, so each record is handled once per group):
   shedding (:mod:`~kvflow.router.shedding`), asks the policy for a worker
   and decides local or remote prefill (:mod:`~kvflow.router.disagg`); a
   routed request goes with its :class:`~kvflow.schemas.RoutingDecision` to
-  the worker's queue partition. A shed or rejected one (no worker) is
+  the worker's queue partition — by way of an encode worker when its media
+  still carry bytes (:mod:`kvflow.router.encode`; 503 ``no_encode_workers``
+  when none serves the model). A shed or rejected one (no worker) is
   answered directly with an error :class:`~kvflow.schemas.FinalResponse`
   (HTTP 503 semantics). Every
   decision (routed, queued, shed or rejected) is also published, without
@@ -90,6 +92,7 @@ from opentelemetry import trace
 
 from kvflow.router.core import Arrival, Cancelled, Decision, Effect, KvDumpNeeded, RouterCore, WorkerExpired
 from kvflow.router.disagg import DisaggConfig, routed_record
+from kvflow.router.encode import encode_key, pick_encode_worker
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.pools import load_pool_grid
@@ -103,6 +106,7 @@ from kvflow.schemas import (
     DeadLetter,
     DecisionOutcome,
     DecisionRecord,
+    EncodeForward,
     ErrorInfo,
     FinalResponse,
     FinishReason,
@@ -426,15 +430,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         trace_ctx = held_traces.pop(request.request_id, None) if decision.outcome is not DecisionOutcome.queued \
             else None
         if decision.outcome is DecisionOutcome.routed:
-            placement, target = decision.placement, decision.target
-            span.set_attribute("kvflow.worker_id", placement.decision.worker_id)
-            span.set_attribute("kvflow.overlap_blocks", placement.decision.overlap_blocks)
-            record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
-            await app.producer.send(target.queue_topic, request.request_id.encode(), encode(record),
-                                    target.queue_partition, None, inject_headers(trace_ctx))
-            produced(target.queue_topic, target.queue_partition)  # its worker may be parked in a long poll
-            state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
-                                      placement.decision.prefill_worker_id, request.reply_to, request.attempt))
+            await send_routed(decision, request, trace_ctx)
         elif decision.error is not None:
             error = decision.error
             await send_error(request.request_id, request.reply_to, request.attempt, error.message,
@@ -443,6 +439,31 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         await publish_decision(decision)
         for shed_one in decision.displaced:  # held requests a higher-ranked arrival pushed out
             await carry_out_decision(shed_one)
+
+    async def send_routed(decision: Decision, request: InferenceRequest,
+                          trace_ctx: otel_context.Context | None) -> None:
+        # To the chosen worker's queue, or to an encode worker that sends it on there.
+        placement, target = decision.placement, decision.target
+        span = trace.get_current_span()
+        span.set_attribute("kvflow.worker_id", placement.decision.worker_id)
+        span.set_attribute("kvflow.overlap_blocks", placement.decision.overlap_blocks)
+        record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
+        topic, partition = target.queue_topic, target.queue_partition
+        if request.needs_encoding:  # its media go through an encode worker, which sends it on there
+            encoder = pick_encode_worker(core.table.workers.values(), request.model, encode_key(request))
+            if encoder is None:
+                await send_error(request.request_id, request.reply_to, request.attempt,
+                                 f"no encode worker serves the media of model {request.model}", status=503,
+                                 code="no_encode_workers", retry_after_s=1)
+                return
+            record = record.model_copy(update={"forward_to": EncodeForward(topic=topic, partition=partition)})
+            topic, partition = encoder.queue_topic, encoder.queue_partition
+            span.set_attribute("kvflow.encode_worker_id", encoder.worker_id)
+        await app.producer.send(topic, request.request_id.encode(), encode(record), partition, None,
+                                inject_headers(trace_ctx))
+        produced(topic, partition)  # its worker may be parked in a long poll
+        state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
+                                  placement.decision.prefill_worker_id, request.reply_to, request.attempt))
 
     def decision_lost(ack: asyncio.Future) -> None:
         if not ack.cancelled() and ack.exception() is not None:

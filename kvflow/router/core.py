@@ -63,7 +63,10 @@ Requests naming a LoRA adapter (``lora_name``) are placed among the free
 workers whose heartbeats list it, when any is free; otherwise among all
 free workers of the base model, and the chosen one loads the adapter on
 demand (:mod:`kvflow.workers.worker`). Their block hashes are salted with
-the adapter name, so they never match the base model's blocks.
+the adapter name, so they never match the base model's blocks. The blocks
+a media item's placeholders cover are hashed with its content hash
+(:mod:`kvflow.schemas.media`), so only a worker holding the same image at
+the same place overlaps them.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ from kvflow.schemas import (
     WorkerRole,
 )
 from kvflow.schemas.block_hash import BlockSizeMismatch, compute_block_hashes
+from kvflow.schemas.media import media_block_hashes
 
 __all__ = [
     "Arrival",
@@ -150,6 +154,9 @@ class Arrival:
             reads is ``isl + max_tokens``); 0 = unknown.
         ttft_target_ms, itl_target_ms: the caller's SLA hints (ms), read by
             a pool grid (:mod:`kvflow.router.pools`); None = its defaults.
+        media_spans: ``(offset, num_tokens, content_hash)`` of each media
+            item of the prompt (:mod:`kvflow.schemas.media`): the blocks they
+            cover are hashed with the content hash.
     """
 
     request_id: str
@@ -167,6 +174,7 @@ class Arrival:
     max_tokens: int = 0
     ttft_target_ms: float | None = None
     itl_target_ms: float | None = None
+    media_spans: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def of(cls, request: InferenceRequest) -> "Arrival":
@@ -177,7 +185,8 @@ class Arrival:
         return cls(request.request_id, request.model, len(tokens) if tokens else 0, tokens, None,
                    request.lora_name, request.created_ms, request.deadline_ms, request, request.priority,
                    request.tenant or "", request.session_id, request.sampling.max_tokens,
-                   request.ttft_target_ms, request.itl_target_ms)
+                   request.ttft_target_ms, request.itl_target_ms,
+                   tuple(item.span for item in request.media or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +619,9 @@ class RouterCore:
             hashes = arrival.block_hashes
             if hashes is None:
                 tokens = arrival.token_ids
-                hashes = compute_block_hashes(tokens, candidates[0].block_size, arrival.lora_name) if tokens else ()
+                block_size = candidates[0].block_size
+                mm = media_block_hashes(arrival.media_spans, block_size) if arrival.media_spans else None
+                hashes = compute_block_hashes(tokens, block_size, arrival.lora_name, mm) if tokens else ()
         req = RouteRequest(arrival.request_id, arrival.model, arrival.isl, role, hashes, arrival.lora_name,
                            arrival.created_ms or now_ms)
         return place(self.policy, req, self.table, self.disagg_config, role)

@@ -184,7 +184,8 @@ class ShadowRouter:
         overlaps: dict[str, int] = {}
         prompt_blocks = 0
         if self.index is not None and request.token_ids:
-            hashes = compute_block_hashes(request.token_ids, self.index.block_size, request.lora_name)
+            hashes = compute_block_hashes(request.token_ids, self.index.block_size, request.lora_name,
+                                          request.mm_hashes(self.index.block_size))
             prompt_blocks = len(hashes)
             overlaps = dict(self.index.find_matches(hashes).device)
         verdict = _Verdict(placement.decision.worker_id if placement is not None else None, overlaps, prompt_blocks)

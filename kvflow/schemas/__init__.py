@@ -33,6 +33,7 @@ from kvflow.schemas.kv_events import (
     encode_kv_batch,
 )
 from kvflow.schemas.eplb import ExpertPlacementMap
+from kvflow.schemas.media import EncodeForward, MediaItem, MediaKind
 from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, SpecDecodeMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
@@ -62,7 +63,7 @@ from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
 __all__ = [
     "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
-    "ChatMessage", "DEADLINE_EXCEEDED", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest", "ExpertPlacementMap",
+    "ChatMessage", "DEADLINE_EXCEEDED", "EncodeForward", "MediaItem", "MediaKind", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest", "ExpertPlacementMap",
     "EmbeddingResult", "ErrorInfo",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",

@@ -11,13 +11,15 @@ OpenAPI schema states the bounds; limits that depend on the deployment
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
@@ -32,6 +34,14 @@ __all__ = [
     "INT32_MIN",
     "INT32_MAX",
     "StreamOptions",
+    "TextPart",
+    "ImageUrl",
+    "ImageUrlPart",
+    "InputAudio",
+    "InputAudioPart",
+    "VideoUrl",
+    "VideoUrlPart",
+    "ContentPart",
     "ChatCompletionRequest",
     "CompletionRequest",
     "ErrorBody",
@@ -82,10 +92,93 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    """A ``text`` content part."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    """``url``: an ``http(s)://`` URL or a ``data:<type>;base64,`` URL of the image
+    (``file://`` under the bridge's allowed roots). ``detail`` is accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """An ``image_url`` content part (OpenAI chat completions)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(BaseModel):
+    """``data``: the audio bytes, base64; ``format``: ``wav`` or ``mp3``."""
+
+    model_config = ConfigDict(extra="ignore")
+    data: str = Field(min_length=1)
+    format: Literal["wav", "mp3"]
+
+
+class InputAudioPart(BaseModel):
+    """An ``input_audio`` content part (OpenAI chat completions)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoUrl(BaseModel):
+    """``url`` of the video, as :class:`ImageUrl`'s."""
+
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(min_length=1)
+
+
+class VideoUrlPart(BaseModel):
+    """A ``video_url`` content part (the extension vLLM and SGLang serve)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+ContentPart = Annotated[Union[TextPart, ImageUrlPart, InputAudioPart, VideoUrlPart], Field(discriminator="type")]
+"""One part of a message's ``content`` list."""
+
+_PARTS: TypeAdapter = TypeAdapter(list[ContentPart])
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    def parts(self) -> list[TextPart | ImageUrlPart | InputAudioPart | VideoUrlPart]:
+        """The content as typed parts (a string is one text part).
+
+        Raises:
+            ValueError: a part of an unknown type or shape; the message
+                names the part's index (``content.<i>``) and the field.
+        """
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [TextPart(type="text", text=self.content)]
+        try:
+            return _PARTS.validate_python(self.content)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            loc = list(first["loc"])
+            del loc[1:2]  # the union's tag (the part's type), repeated by pydantic
+            where = ".".join(str(p) for p in loc)
+            raise ValueError(f"content.{where}: {first['msg']} (content parts served: text, image_url, "
+                             "input_audio, video_url)") from None
 
     def text(self) -> str:
         """The message content as plain text (text parts joined)."""

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvflow.schemas.base import Record
 from kvflow.schemas.decisions import CandidateCost
+from kvflow.schemas.media import MAX_MEDIA_ITEMS, EncodeForward, MediaItem, media_block_hashes
 from kvflow.schemas.prompt_embeds import PromptEmbeds
 
 __all__ = [
@@ -128,6 +129,14 @@ class InferenceRequest(Record):
     caller's SLA hints (TTFT and ITL targets, ms); a router with a pool grid
     picks the request's pools by them (:mod:`kvflow.router.pools`).
 
+    Media (:mod:`kvflow.schemas.media`): ``media`` items stand at runs of
+    placeholder ids in ``token_ids`` (required with them) and salt the block
+    hashes they cover (:meth:`mm_hashes`). Items still carrying bytes
+    (:attr:`needs_encoding`) go from the router to an encode worker, with
+    ``forward_to`` naming the worker queue partition the router chose; the
+    encode worker sends the request on there with the embeddings in place of
+    the bytes and ``forward_to`` cleared.
+
     Migration: ``attempt`` counts resubmissions of the request after its
     worker was lost (0 for the first); a resubmission carries the output
     already delivered appended to ``token_ids``, counted by
@@ -157,18 +166,36 @@ class InferenceRequest(Record):
     attempt: int = Field(default=0, ge=0, le=1000)
     resumed_tokens: int = Field(default=0, ge=0)
     prompt_embeds: PromptEmbeds | None = None
+    media: list[MediaItem] | None = Field(default=None, max_length=MAX_MEDIA_ITEMS)
+    forward_to: EncodeForward | None = None
 
     @model_validator(mode="after")
     def _has_input(self) -> "InferenceRequest":
         if self.prompt_embeds is not None:
-            if self.messages is not None or self.prompt is not None or self.token_ids is not None:
-                raise ValueError("prompt_embeds carries the whole prompt: no messages, prompt or token_ids with it")
+            if self.messages is not None or self.prompt is not None or self.token_ids is not None or self.media:
+                raise ValueError("prompt_embeds carries the whole prompt: no messages, prompt, token_ids or "
+                                 "media with it")
             return self
         if self.messages is None and self.prompt is None and self.token_ids is None:
             raise ValueError("one of messages, prompt, token_ids or prompt_embeds is required")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages must not be empty")
+        if self.media:
+            if self.token_ids is None:
+                raise ValueError("media needs token_ids holding its placeholder tokens")
+            if any(item.offset + item.num_tokens > len(self.token_ids) for item in self.media):
+                raise ValueError("a media item's placeholder tokens lie past the end of token_ids")
         return self
+
+    @property
+    def needs_encoding(self) -> bool:
+        """Whether a media item still carries bytes instead of embeddings."""
+        return any(item.embeds is None for item in self.media or ())
+
+    def mm_hashes(self, block_size: int) -> list[tuple[int, int]]:
+        """``(block_index, content_hash)`` of the blocks the media covers
+        (:func:`~kvflow.schemas.media.media_block_hashes`); empty without media."""
+        return media_block_hashes((item.span for item in self.media or ()), block_size)
 
     def hash_ids(self) -> list[int] | None:
         """The ids a router hashes into KV blocks: ``token_ids``, or the row

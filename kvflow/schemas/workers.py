@@ -14,12 +14,20 @@ __all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat"]
 class WorkerRole(str, Enum):
     """What a worker does: both phases, prefill only, or decode only; or
     ``embedding``: encodes inputs into vectors (``/v1/embeddings``), never
-    routed a generation request."""
+    routed a generation request; or ``encode``: turns the media of its
+    ``model``'s requests into embeddings (:mod:`kvflow.schemas.media`) and
+    passes each request on to the worker the router chose."""
 
     aggregated = "aggregated"
     prefill = "prefill"
     decode = "decode"
     embedding = "embedding"
+    encode = "encode"
+
+    @property
+    def generates(self) -> bool:
+        """Whether workers of this role serve text generation (aggregated, prefill, decode)."""
+        return self in (WorkerRole.aggregated, WorkerRole.prefill, WorkerRole.decode)
 
 
 class WorkerStatus(str, Enum):
@@ -95,3 +103,8 @@ class WorkerHeartbeat(Record):
     (admin ``load_lora``); a request whose ``model`` is one of them runs
     with that adapter, and routers prefer workers listing it. Added without
     a schema version bump: older readers ignore it."""
+    media_tokens: int | None = Field(default=None, ge=1)
+    """Encode workers: placeholder tokens each media item takes in a prompt
+    (the rows of its embeddings); producers write that many
+    :data:`~kvflow.schemas.media.PLACEHOLDER_TOKEN_ID` per item. None on
+    other roles. Added without a schema version bump: older readers ignore it."""

@@ -63,7 +63,9 @@ class WorkerView:
     ``tokenizer`` is the tokenizer spec producers tokenize prompts with;
     ``context_length`` the longest sequence (tokens) the worker serves, or
     None when it advertises none; ``pool`` the worker pool it belongs to;
-    ``lora_adapters`` the LoRA adapters loaded on it (names).
+    ``lora_adapters`` the LoRA adapters loaded on it (names);
+    ``media_tokens`` the placeholder tokens per media item an encode worker
+    advertises (None on other roles).
     """
 
     worker_id: str
@@ -86,6 +88,7 @@ class WorkerView:
     context_length: int | None = None
     pool: str = ""
     lora_adapters: tuple[str, ...] = ()
+    media_tokens: int | None = None
 
     @property
     def load(self) -> int:
@@ -102,7 +105,7 @@ class WorkerView:
             active_prefill_tokens=hb.active_prefill_tokens, queue_topic=hb.queue_topic,
             queue_partition=hb.queue_partition, status=hb.status, last_seen_ms=hb.ts_ms, ttl_ms=hb.ttl_ms,
             tokenizer=hb.tokenizer, context_length=hb.context_length, pool=hb.pool,
-            lora_adapters=tuple(hb.lora_adapters),
+            lora_adapters=tuple(hb.lora_adapters), media_tokens=hb.media_tokens,
         )
 
 
@@ -148,7 +151,7 @@ class Workers:
         """The base model of the lowest-id serving generation worker that lists LoRA adapter
         ``name``, or None when none does."""
         for w in self.serving():
-            if name in w.lora_adapters and w.role is not WorkerRole.embedding:
+            if name in w.lora_adapters and w.role.generates:
                 return w.model
         return None
 

@@ -18,7 +18,15 @@ from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
-__all__ = ["build_engine", "run_worker", "run_embedding_worker"]
+__all__ = ["build_engine", "run_worker", "run_embedding_worker", "run_encode_worker", "encode_target",
+           "DEFAULT_MEDIA_HIDDEN_SIZE", "MEDIA_ENCODER_SEED"]
+
+DEFAULT_MEDIA_HIDDEN_SIZE = 64
+"""Width media embeddings are projected to for a model without a ``config.json``
+(the mocker's, which reads only their hashes)."""
+
+MEDIA_ENCODER_SEED = 0
+"""Seed of every encode worker's weights, so all of a deployment's agree."""
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +126,16 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
     KV tiers from ``settings.kv_host_gb``/``kv_disk_gb``, disk files in
     ``<kv_disk_dir or data_dir/kv-disk>/<worker id>``).
 
-    Role ``embedding`` runs :func:`run_embedding_worker` on ``model`` (engine options are ignored).
+    Role ``embedding`` runs :func:`run_embedding_worker` on ``model``, role
+    ``encode`` :func:`run_encode_worker` for ``engine``'s ``model`` (other
+    engine options are ignored).
     """
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
     if role is WorkerRole.embedding:
         await run_embedding_worker(settings, slot=slot, model=model, worker_id=worker_id, device=device)
+        return
+    if role is WorkerRole.encode:
+        await run_encode_worker(settings, slot=slot, engine=engine, model=model, worker_id=worker_id)
         return
     connector = None
     if engine == "vllm":
@@ -166,6 +179,52 @@ async def run_embedding_worker(settings: Settings, *, slot: int, model: str, wor
     encoder = await asyncio.to_thread(load_encoder, resolved.path, device)
     worker = EmbeddingWorker(settings, EmbeddingWorkerConfig(worker_id=worker_id, slot=slot, model=resolved.name,
                                                              tokenizer=str(resolved.path)), encoder)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+def encode_target(engine: str, model: str) -> tuple[str, int]:
+    """``(served model name, hidden size)`` an encode worker projects media into:
+    the name ``engine``'s workers serve ``model`` under and the ``hidden_size``
+    of its ``config.json`` (a vision-language config's ``text_config``); for a
+    model without one (the mocker's) the name as given and
+    :data:`DEFAULT_MEDIA_HIDDEN_SIZE`.
+
+    Raises:
+        kvflow.models.resolve.ModelNotFoundError: a non-mocker ``model`` cannot be resolved.
+        ValueError: its ``config.json`` gives no hidden size.
+    """
+    import json
+
+    from kvflow.models.resolve import ModelNotFoundError, resolve_model
+
+    try:
+        resolved = resolve_model(model)
+    except ModelNotFoundError:
+        if engine != "mocker":
+            raise
+        return model, DEFAULT_MEDIA_HIDDEN_SIZE
+    config = json.loads((resolved.path / "config.json").read_text())
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    if not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"{resolved.path}/config.json gives no hidden_size")
+    return (model if engine == "mocker" else resolved.name), hidden
+
+
+async def run_encode_worker(settings: Settings, *, slot: int, engine: str, model: str, worker_id: str) -> None:
+    """Build the media encoder for ``engine``'s ``model`` (:func:`encode_target`,
+    seed :data:`MEDIA_ENCODER_SEED`) and serve ``queue.encode[slot]`` until
+    drained (SIGTERM/SIGINT) or stopped.
+
+    Raises:
+        kvflow.models.resolve.ModelNotFoundError: as :func:`encode_target`.
+    """
+    from kvflow.workers.encode_worker import EncodeWorker, EncodeWorkerConfig
+    from kvflow.workers.media_encoder import build_media_encoder
+
+    name, hidden = await asyncio.to_thread(encode_target, engine, model)
+    encoder = build_media_encoder(hidden, seed=MEDIA_ENCODER_SEED)
+    worker = EncodeWorker(settings, EncodeWorkerConfig(worker_id=worker_id, slot=slot, model=name), encoder)
     _drain_on_signals(worker)
     await worker.run()
 

@@ -13,6 +13,11 @@ Two kinds of series:
 Every series carries the label ``worker_id``, so the scrapes of several
 workers merge into one exposition (:mod:`kvflow.streams.metrics_server`);
 ``kvflow_worker_info`` maps a worker id to its role, model and engine.
+
+An encode worker exports ``kvflow_encode_*`` instead (:func:`encode_registry`):
+its embedding cache's hits, misses and evictions (counters), its size and
+capacity in bytes and entries (gauges), and requests by outcome
+(``forwarded``: passed on with embeddings; ``refused``: answered with an error).
 TTFT here is measured on the worker, from the moment it took the request off
 its queue to the engine's first output: the bridge's
 ``kvflow_bridge_ttft_seconds`` adds tokenization, Kafka and routing.
@@ -30,9 +35,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvflow.workers.encode_worker import EncodeWorker
     from kvflow.workers.worker import Worker
 
-__all__ = ["WorkerExporter", "RequestTimer"]
+__all__ = ["WorkerExporter", "RequestTimer", "encode_registry"]
 
 # Same edges as the bridge's (kvflow.streams.bridge.metrics), so the two compare bucket by bucket.
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -145,3 +151,44 @@ class _WorkerCollector(Collector):
                       stats.prefill_tokens_total)
         yield counter("kvflow_worker_generated_tokens", "Tokens the engine decoded (rate: decode tokens/s).",
                       stats.decode_tokens_total)
+
+
+def encode_registry(worker: EncodeWorker) -> CollectorRegistry:
+    """The Prometheus registry of an encode worker (``kvflow_encode_*``, read at each scrape)."""
+    registry = CollectorRegistry()
+    registry.register(_EncodeCollector(worker))
+    return registry
+
+
+class _EncodeCollector(Collector):
+    """Scrape-time series of an encode worker and its embedding cache."""
+
+    def __init__(self, worker: EncodeWorker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        w = self.worker
+        wid, cache = w.config.worker_id, w.cache
+        for name, doc, value in (
+            ("kvflow_encode_cache_hits", "Media items whose embeddings the cache held.", cache.stats.hits),
+            ("kvflow_encode_cache_misses", "Media items encoded because the cache did not hold them.",
+             cache.stats.misses),
+            ("kvflow_encode_cache_evictions", "Cache entries evicted to make room (least recently used first).",
+             cache.stats.evictions),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["worker_id"])
+            family.add_metric([wid], float(value))
+            yield family
+        for name, doc, value in (
+            ("kvflow_encode_cache_bytes", "Embedding bytes the cache holds.", cache.size_bytes),
+            ("kvflow_encode_cache_capacity_bytes", "Embedding bytes the cache may hold.", cache.capacity_bytes),
+            ("kvflow_encode_cache_entries", "Media items the cache holds.", len(cache)),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["worker_id"])
+            family.add_metric([wid], float(value))
+            yield family
+        requests = CounterMetricFamily("kvflow_encode_requests", "Requests by outcome: forwarded with their "
+                                       "embeddings, or refused with an error.", labels=["worker_id", "outcome"])
+        for outcome in ("forwarded", "refused"):
+            requests.add_metric([wid, outcome], float(w.outcomes[outcome]))
+        yield requests

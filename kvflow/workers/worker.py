@@ -621,8 +621,8 @@ class Worker:
             stage = parse_stage(request.disaggregated_params)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
-        if stage is not None and request.prompt_embeds is not None:
-            raise EngineError("prompt embeddings are served by aggregated workers only")
+        if stage is not None and (request.prompt_embeds is not None or request.media):
+            raise EngineError("prompt embeddings and media are served by aggregated workers only")
         with tracer().start_as_current_span("engine generate") as span:
             span.set_attribute("kvflow.engine", self.engine.name)
             if isinstance(stage, PrefillStage):
@@ -641,11 +641,18 @@ class Worker:
                 from kvflow.workers.prompt_embeds import to_tensor
 
                 embeds = to_tensor(request.prompt_embeds)
+            media = ()
+            if request.media:
+                if not self.engine.accepts_media:
+                    raise EngineError(f"the {self.engine.name} engine takes no media")
+                from kvflow.workers.prompt_embeds import media_inputs
+
+                media = media_inputs(request.media)
             if request.lora_name:
                 await self._ensure_adapter(request.lora_name)
             gen = GenerateRequest(request_id=request.request_id, prompt_token_ids=prompt_ids,
                                   sampling=request.sampling, lora_name=request.lora_name,
-                                  resumed_tokens=request.resumed_tokens, prompt_embeds=embeds)
+                                  resumed_tokens=request.resumed_tokens, prompt_embeds=embeds, media=media)
             await self.stream_outputs(request, prompt_ids, self.engine.generate(gen), received_ms, now_ms())
 
     async def _ensure_adapter(self, name: str) -> None:

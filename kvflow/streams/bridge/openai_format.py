@@ -37,8 +37,10 @@ from kvflow.schemas.openai import (
     CompletionResponse,
     KvflowInfo,
     PromptTokensDetails,
+    TextPart,
     UsageBody,
 )
+from kvflow.schemas.media import MEDIA_MARKER, MediaItem
 from kvflow.schemas.prompt_embeds import PromptEmbeds
 from kvflow.streams.bridge.errors import invalid_request, validation_error
 from kvflow.streams.deadlines import deadline_ms
@@ -129,18 +131,34 @@ def check_supported(kind: RequestKind, raw: dict[str, Any]) -> None:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
-    """The request's messages as plain-text :class:`ChatMessage` records.
+    """The request's messages as :class:`ChatMessage` records: text parts
+    joined, each media part (``image_url``, ``input_audio``, ``video_url``)
+    replaced by :data:`~kvflow.schemas.media.MEDIA_MARKER` where it stands
+    (:mod:`kvflow.streams.bridge.media` fills those places).
 
     Raises:
-        BridgeError: 400 when a message has a non-text content part.
+        BridgeError: 400 when a content part has an unknown type or shape,
+            or, in a request with media, text holds the media marker itself.
     """
-    out = []
+    parsed = []
     for i, message in enumerate(body.messages):
         try:
-            out.append(ChatMessage(role=message.role, content=message.text()))
+            parsed.append(message.parts())
         except ValueError as exc:
-            raise invalid_request(f"messages[{i}].content: {exc}", param=f"messages.{i}.content",
-                                  code="unsupported") from None
+            raise invalid_request(f"messages[{i}].{exc}", param=f"messages.{i}.content", code="unsupported") from None
+    with_media = any(not isinstance(part, TextPart) for parts in parsed for part in parts)
+    out = []
+    for i, (message, parts) in enumerate(zip(body.messages, parsed)):
+        pieces = []
+        for part in parts:
+            if not isinstance(part, TextPart):
+                pieces.append(MEDIA_MARKER)
+                continue
+            if with_media and MEDIA_MARKER in part.text:
+                raise invalid_request(f"messages[{i}].content: text must not contain U+FFFC (it marks where "
+                                      "media parts stand).", param=f"messages.{i}.content", code="invalid_value")
+            pieces.append(part.text)
+        out.append(ChatMessage(role=message.role, content="".join(pieces)))
     return out
 
 
@@ -167,7 +185,7 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
                          created_ms: int, timeout_s: float, messages: list[ChatMessage] | None = None,
                          max_tokens: int | None = None, prompt_embeds: PromptEmbeds | None = None,
                          priority: int | None = None, tenant: str | None = None,
-                         session_id: str | None = None) -> InferenceRequest:
+                         session_id: str | None = None, media: list[MediaItem] | None = None) -> InferenceRequest:
     """Build the record the bridge produces for ``body``.
 
     ``token_ids`` (shape [ISL]) is the pre-tokenized prompt; ``messages`` is
@@ -177,7 +195,8 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
     ``max_tokens`` overrides the body's output cap (see :func:`sampling_params`).
     ``prompt_embeds`` (completions) is the whole prompt: ``token_ids`` is then None.
     ``priority``/``session_id`` (see :mod:`kvflow.streams.bridge.serving_class`)
-    override the body's; ``tenant`` names the sender.
+    override the body's; ``tenant`` names the sender. ``media`` (chat) are
+    the media items standing at placeholder runs of ``token_ids``.
     """
     common: dict[str, Any] = {
         "request_id": request_id, "model": body.model, "token_ids": token_ids,
@@ -190,7 +209,7 @@ def to_inference_request(body: Body, *, request_id: str, reply_to: ReplyTo, toke
     if isinstance(body, ChatCompletionRequest):
         if messages is None:
             raise ValueError("chat bodies need their converted messages")
-        return InferenceRequest(kind=RequestKind.chat, messages=messages, **common)
+        return InferenceRequest(kind=RequestKind.chat, messages=messages, media=media or None, **common)
     if prompt_embeds is not None:
         return InferenceRequest(kind=RequestKind.completion, prompt_embeds=prompt_embeds, **common)
     prompt = body.prompt if isinstance(body.prompt, str) else None

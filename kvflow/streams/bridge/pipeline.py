@@ -1,7 +1,9 @@
 """The request path shared by ``/v1/chat/completions`` and ``/v1/completions``.
 
 Steps, in order: read the body (size limit) → parse and validate → check the
-model against the live-worker projection (404/503) → pre-tokenize with the
+model against the live-worker projection (404/503) → fetch a chat's media
+parts and put their placeholder runs in its prompt
+(:mod:`kvflow.streams.bridge.media`; 400 when refused) → pre-tokenize with the
 workers' tokenizer (413 over ``max_prompt_tokens``) → settle the output cap
 against the configured maximum and the model's context length (400,
 :mod:`kvflow.streams.bridge.bounds`) → build the :class:`InferenceRequest` → send it through the response source and wait for
@@ -43,7 +45,16 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import Request, Response
 from opentelemetry import trace
 
-from kvflow.schemas import ChatMessage, FinalResponse, InferenceRequest, ReplyTo, RequestKind, TokenDelta, now_ms
+from kvflow.schemas import (
+    ChatMessage,
+    FinalResponse,
+    InferenceRequest,
+    MediaItem,
+    ReplyTo,
+    RequestKind,
+    TokenDelta,
+    now_ms,
+)
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest
 from kvflow.streams.bridge.attachments import Attachment
 from kvflow.streams.bridge.body import read_body
@@ -62,6 +73,7 @@ from kvflow.streams.bridge.errors import (
     request_timeout,
 )
 from kvflow.streams.bridge.event_ids import EventId
+from kvflow.streams.bridge.media import MediaRef, encode_chat_media, fetch_all, media_items, media_refs
 from kvflow.streams.bridge.metrics import STATUS_CLIENT_CLOSED, RequestObserver
 from kvflow.streams.bridge.openai_format import (
     ResponseMeta,
@@ -165,6 +177,28 @@ async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: A
     return list(body.prompt), tokenizer.decode(body.prompt) if body.echo else ""
 
 
+async def _place_media(state: BridgeState, model: str, spec: str, messages: list[ChatMessage],
+                       refs: list[MediaRef]) -> tuple[list[int], list[MediaItem]]:
+    """Prompt ids with each media part's placeholder run, and the media items
+    (:mod:`kvflow.streams.bridge.media`).
+
+    Raises:
+        BridgeError: 400 when no encode worker serves ``model`` (it takes no
+            media) or a media part is refused; 500 tokenizer cannot be loaded.
+    """
+    media_tokens = state.registry.media_tokens(model)
+    if media_tokens is None and state.refresh_workers is not None:
+        await state.refresh_workers(model)  # an encode worker may have just started
+        media_tokens = state.registry.media_tokens(model)
+    if media_tokens is None:
+        raise invalid_request(f"The model `{model}` takes no media inputs: no encode worker serves it.",
+                              param="messages", code="unsupported")
+    fetched = await fetch_all(refs, state.settings)
+    token_ids, offsets = await encode_chat_media(await _load_tokenizer(state, spec), messages, len(refs),
+                                                 media_tokens)
+    return token_ids, media_items(refs, fetched, offsets, media_tokens)
+
+
 async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
                   resume: EventId | None = None) -> Prepared:
     """Read, validate and tokenize one HTTP request into an :class:`InferenceRequest`.
@@ -175,7 +209,7 @@ async def prepare(state: BridgeState, http_request: Request, kind: RequestKind,
 
     Raises:
         BridgeError: 400 bad body/unsupported feature/output cap over a
-            limit/bad timeout, 404 unknown model, 413 body or prompt too
+            limit/bad timeout/media refused or not served, 404 unknown model, 413 body or prompt too
             large, 503 no live worker, 500 tokenizer cannot be loaded.
     """
     raw = await read_body(http_request, state.max_body_bytes)
@@ -205,8 +239,12 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
         model, lora_name = base, body.model
     limit = state.settings.max_prompt_tokens
     spec = _tokenizer_spec(state, model)
-    embeds = None
-    if isinstance(body, CompletionRequest) and body.prompt_embeds is not None:
+    embeds, media = None, None
+    refs = media_refs(body) if isinstance(body, ChatCompletionRequest) and messages is not None else []
+    if refs:
+        token_ids, media = await _place_media(state, model, spec, messages, refs)
+        echo_text, isl = "", len(token_ids)
+    elif isinstance(body, CompletionRequest) and body.prompt_embeds is not None:
         if body.echo:
             raise invalid_request("`echo` is not supported with prompt_embeds.", param="echo", code="unsupported")
         embeds = decode_prompt_embeds(body.prompt_embeds, limit)
@@ -234,7 +272,7 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
                                    token_ids=token_ids, created_ms=created_ms,
                                    timeout_s=timeout_s, messages=messages,
                                    max_tokens=max_tokens, prompt_embeds=embeds, priority=served_as.priority,
-                                   tenant=served_as.tenant, session_id=served_as.session_id)
+                                   tenant=served_as.tenant, session_id=served_as.session_id, media=media)
     if lora_name is not None:
         request = request.model_copy(update={"model": model, "lora_name": lora_name})
     return Prepared(body, request, ResponseMeta(id=request_id, model=body.model, created=created_ms // 1000),

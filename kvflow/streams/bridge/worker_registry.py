@@ -76,14 +76,24 @@ class WorkerRegistry:
     def model_state(self, model: str, *, embedding: bool = False) -> ModelState:
         """See :class:`ModelState`; ``serving`` counts generation workers, or
         embedding workers with ``embedding``."""
-        if any(w.model == model and (w.role is WorkerRole.embedding) == embedding for w in self.live_workers()):
+        if any(w.model == model and (w.role is WorkerRole.embedding if embedding else w.role.generates)
+               for w in self.live_workers()):
             return ModelState.serving
         return ModelState.unavailable if model in self.models_seen else ModelState.unknown
 
     def embedding_only(self, model: str) -> bool:
         """Whether ``model`` is served, by embedding workers only (no text generation)."""
         roles = {w.role for w in self.live_workers() if w.model == model}
-        return roles == {WorkerRole.embedding}
+        return WorkerRole.embedding in roles and not any(role.generates for role in roles)
+
+    def media_tokens(self, model: str) -> int | None:
+        """Placeholder tokens per media item of ``model``'s requests: what its live
+        encode workers advertise (the lowest worker id wins if they disagree);
+        None when no encode worker serves it (the model takes no media)."""
+        for w in self.live_workers():
+            if w.model == model and w.role is WorkerRole.encode and w.media_tokens:
+                return w.media_tokens
+        return None
 
     def embedding_workers(self, model: str) -> list[WorkerView]:
         """Live embedding workers of ``model``, sorted by id."""
@@ -93,7 +103,7 @@ class WorkerRegistry:
         """The tokenizer spec advertised by ``model``'s live generation workers
         (the lowest worker id wins if they disagree), or None if none is live."""
         for w in self.live_workers():
-            if w.model == model and w.role is not WorkerRole.embedding:
+            if w.model == model and w.role.generates:
                 return w.tokenizer
         return None
 
@@ -102,5 +112,5 @@ class WorkerRegistry:
         smallest one its live serving workers advertise (the router may pick
         any of them), or None if none advertises one."""
         lengths = [w.context_length for w in self.live_workers()
-                   if w.model == model and w.context_length is not None and w.role is not WorkerRole.embedding]
+                   if w.model == model and w.context_length is not None and w.role.generates]
         return min(lengths, default=None)

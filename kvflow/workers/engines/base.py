@@ -15,12 +15,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.schemas import FinishReason, KvEvent, KvTierMetrics, SamplingParams, SpecDecodeMetrics
+from kvflow.schemas.media import media_block_hashes
 
-__all__ = ["GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
+__all__ = ["MediaInput", "GenerateRequest", "EngineOutput", "KvStats", "KvEventSink", "EngineConfig", "Engine", "EngineError"]
 
 
 class EngineError(RuntimeError):
     """The engine could not serve a request (bad input for this model, OOM, ...)."""
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """One media item of a prompt (:mod:`kvflow.schemas.media`): the
+    ``num_tokens`` placeholder ids from ``offset`` in ``prompt_token_ids``
+    stand for it, the blocks they cover are hashed with ``content_hash``,
+    and ``embeds`` (a ``[num_tokens, hidden]`` torch tensor, None for
+    engines that read only the hashes) replaces their embedding lookup."""
+
+    offset: int
+    num_tokens: int
+    content_hash: int
+    embeds: Any = None
+
+    @property
+    def span(self) -> tuple[int, int, int]:
+        """``(offset, num_tokens, content_hash)`` for :func:`~kvflow.schemas.media.media_block_hashes`."""
+        return self.offset, self.num_tokens, self.content_hash
 
 
 @dataclass(frozen=True)
@@ -39,7 +59,10 @@ class GenerateRequest:
     to the model in place of its embedding lookup; ``prompt_token_ids``
     then holds the rows' ids (:meth:`kvflow.schemas.prompt_embeds.PromptEmbeds.row_ids`),
     used only to key KV blocks. Engines that cannot take embeddings raise
-    :class:`EngineError`.
+    :class:`EngineError`. ``media``: the prompt's media items, whose
+    content hashes join its block hashes (:meth:`mm_hashes`) and whose
+    embeddings take their placeholders' place (engines with
+    ``accepts_media``).
     """
 
     request_id: str
@@ -49,6 +72,12 @@ class GenerateRequest:
     resumed_tokens: int = 0
     kv_transfer_params: dict | None = None
     prompt_embeds: Any = None
+    media: tuple[MediaInput, ...] = ()
+
+    def mm_hashes(self, block_size: int) -> list[tuple[int, int]] | None:
+        """``(block_index, content_hash)`` of the blocks the media cover, for
+        :func:`~kvflow.schemas.block_hash.compute_block_hashes`; None without media."""
+        return media_block_hashes((m.span for m in self.media), block_size) if self.media else None
 
 
 @dataclass
@@ -107,7 +136,9 @@ class Engine(abc.ABC):
     engine has no such limit or cannot tell. Workers advertise it on their
     heartbeats so the bridge can reject requests that cannot fit.
     ``accepts_prompt_embeds``: whether ``generate`` takes
-    :attr:`GenerateRequest.prompt_embeds` (the worker answers 400 otherwise).
+    :attr:`GenerateRequest.prompt_embeds` (the worker answers 400 otherwise);
+    ``accepts_media``: whether it takes :attr:`GenerateRequest.media` (the
+    same).
     """
 
     name: str = "base"
@@ -115,6 +146,7 @@ class Engine(abc.ABC):
     block_size: int = 16
     context_length: int | None = None
     accepts_prompt_embeds: bool = False
+    accepts_media: bool = False
     kv_event_sink: KvEventSink | None = None
 
     @abc.abstractmethod

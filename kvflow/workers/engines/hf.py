@@ -82,6 +82,13 @@ the prefix cache never hands one adapter's KV to another or to the base
 model. Loads and unloads run between steps; unloading the last adapter
 restores the plain model.
 
+Media (:attr:`~kvflow.workers.engines.base.GenerateRequest.media`): a
+prompt's media items stand at runs of placeholder ids; prefill feeds the
+model's own embedding rows with each item's embeddings (``[num_tokens,
+hidden]``, from an encode worker) in place of its run, and the blocks a run
+covers are hashed with the item's content hash, so a cached prefix is reused
+only for the same media at the same place.
+
 Supported models: decoder-only transformers models whose cache layers are all
 full attention (Llama, Qwen2 without sliding window, ...). Sliding-window
 layers would break the left-padded layout and are refused at start.
@@ -357,6 +364,7 @@ class HfEngine(Engine):
 
     name = "hf"
     accepts_prompt_embeds = True
+    accepts_media = True
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         # Keyword overrides (e.g. ``HfEngine(model=..., device="cuda")``) patch ``config``.
@@ -568,6 +576,8 @@ class HfEngine(Engine):
             raise EngineError(
                 f"{request.request_id}: prompt of {len(prompt)} tokens >= model max {self._max_model_len}"
             )
+        if request.media:
+            self._check_media(request)
         if request.prompt_embeds is not None:
             self._check_embeds(request)
         elif min(prompt) < 0 or max(prompt) >= self._vocab_size:
@@ -603,6 +613,40 @@ class HfEngine(Engine):
         if embeds.dtype != dtype:
             raise EngineError(f"{request.request_id}: prompt embeddings of dtype {str(embeds.dtype).removeprefix('torch.')}; "
                               f"this model takes {str(dtype).removeprefix('torch.')}")
+
+    def _check_media(self, request: GenerateRequest) -> None:
+        """Raises EngineError unless each media item lies inside the prompt with
+        ``[num_tokens, hidden]`` embeddings (any float dtype: cast to the model's)."""
+        hidden = (self._embed_shape or (0, None))[0]
+        if request.prompt_embeds is not None:
+            raise EngineError(f"{request.request_id}: media and prompt embeddings cannot be combined")
+        for item in request.media:
+            if item.offset + item.num_tokens > len(request.prompt_token_ids):
+                raise EngineError(f"{request.request_id}: a media item lies past the end of the prompt")
+            embeds = item.embeds
+            if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (item.num_tokens, hidden) \
+                    or not embeds.dtype.is_floating_point:
+                got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+                raise EngineError(f"{request.request_id}: media embeddings of shape {got}; this model takes "
+                                  f"[{item.num_tokens}, {hidden}] floats")
+
+    def _block_hashes(self, token_ids: list[int], request: GenerateRequest) -> list[int]:
+        """Chained hashes of the full blocks of ``token_ids``, salted by the request's
+        adapter and, where its media reach, their content hashes."""
+        return compute_block_hashes(token_ids, self.block_size, request.lora_name,
+                                    request.mm_hashes(self.block_size))
+
+    def _spliced_embeds(self, request: GenerateRequest, prompt: list[int], start: int) -> torch.Tensor:
+        """Input embeddings ``[ISL - start, hidden]`` of ``prompt[start:]``: the model's
+        embedding lookup, with each media item's embeddings at its placeholders."""
+        with torch.no_grad():
+            table = self._model.get_input_embeddings()
+            rows = table(torch.tensor(prompt[start:], device=self._device))
+            for item in request.media:
+                lo, hi = max(item.offset, start), item.offset + item.num_tokens
+                if lo < hi:  # the part of the run after the cached prefix
+                    rows[lo - start:hi - start] = item.embeds[lo - item.offset:].to(self._device, rows.dtype)
+        return rows
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -686,7 +730,7 @@ class HfEngine(Engine):
                                 f"{len(prompt)}-token prompt")
         reused: list[torch.Tensor] = []
         if self._prefix_caching:
-            hashes = compute_block_hashes(prompt, self.block_size, request.lora_name)
+            hashes = self._block_hashes(prompt, request)
             reused = self._cache.peek(hashes[: len(prompt) // self.block_size])
         self._seqs[request.request_id] = seq
         try:
@@ -853,7 +897,7 @@ class HfEngine(Engine):
         prompt = seq.token_ids
         blocks: list[torch.Tensor] = []
         if self._prefix_caching:
-            hashes = compute_block_hashes(prompt, self.block_size, seq.request.lora_name)
+            hashes = self._block_hashes(prompt, seq.request)
             # Keep at least one prompt token to compute: its logits give the first output token.
             usable = (len(prompt) - 1) // self.block_size
             blocks = self._cache.match(hashes[:usable])
@@ -868,8 +912,12 @@ class HfEngine(Engine):
         seq.num_stored_blocks = len(blocks)
         positions = torch.arange(cached, len(prompt), device=self._device).unsqueeze(0)
         embeds = seq.request.prompt_embeds
+        if embeds is not None:
+            embeds = embeds[cached:]
+        elif seq.request.media:  # the lookup's rows with each media item's embeddings in its placeholders' place
+            embeds = self._spliced_embeds(seq.request, prompt, cached)
         if embeds is not None:  # rows after the cached prefix, in place of the embedding lookup
-            logits, kv = self._forward(None, positions, None, past, embeds[cached:].unsqueeze(0).to(self._device),
+            logits, kv = self._forward(None, positions, None, past, embeds.unsqueeze(0).to(self._device),
                                        adapters=[seq])
         else:
             input_ids = torch.tensor([prompt[cached:]], device=self._device)
@@ -1125,7 +1173,7 @@ class HfEngine(Engine):
         if num_full <= seq.num_stored_blocks or not self._prefix_caching:
             return []
         lora_name = seq.request.lora_name
-        hashes = compute_block_hashes(seq.token_ids[: num_full * self.block_size], self.block_size, lora_name)
+        hashes = self._block_hashes(seq.token_ids[: num_full * self.block_size], seq.request)
         events: list[KvEvent] = []
         run: list[int] = []
         run_parent: int | None = None

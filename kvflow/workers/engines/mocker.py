@@ -73,10 +73,12 @@ class MockerEngine(Engine):
 
     ``tokenizer`` is the byte-level tokenizer from
     ``kvflow.models.tokenizer.load_tokenizer("bytes")``, or None when that
-    module is absent.
+    module is absent. Media items (:attr:`GenerateRequest.media`) are taken
+    for their block hashes only: their embeddings are not read.
     """
 
     name = "mocker"
+    accepts_media = True
 
     def __init__(
         self,

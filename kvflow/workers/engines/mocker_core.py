@@ -98,7 +98,13 @@ from dataclasses import dataclass
 import xxhash
 
 from kvflow.schemas import FinishReason, KvEvent, KvTier
-from kvflow.schemas.block_hash import block_seed, compute_block_hashes, next_sequence_hash, tokens_to_bytes
+from kvflow.schemas.block_hash import (
+    block_seed,
+    compute_block_hashes,
+    local_block_hash,
+    next_sequence_hash,
+    tokens_to_bytes,
+)
 from kvflow.workers.engines.base import EngineError, EngineOutput, GenerateRequest, KvStats
 from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
 from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore
@@ -317,7 +323,7 @@ class _Seq:
 
     __slots__ = (
         "rid", "tokens", "prompt_len", "max_tokens", "num_generated", "num_computed", "num_cached",
-        "hashes", "hash_seed", "lora_name", "token_seed", "token_offset", "cap", "committed", "running",
+        "hashes", "hash_seed", "lora_name", "mm_hashes", "token_seed", "token_offset", "cap", "committed", "running",
         "imported", "num_host_cached", "num_disk_cached", "draft",
     )
 
@@ -330,9 +336,10 @@ class _Seq:
         self.num_computed = 0  # tokens whose KV is computed
         self.num_cached = 0  # prompt tokens served from the prefix cache at admission
         self.lora_name = request.lora_name
+        self.mm_hashes = request.mm_hashes(config.block_size)  # media content hashes of the blocks they cover
         self.hash_seed = block_seed(request.lora_name)
         self.hashes = (
-            compute_block_hashes(self.tokens, config.block_size, request.lora_name)
+            compute_block_hashes(self.tokens, config.block_size, request.lora_name, self.mm_hashes)
             if config.enable_prefix_caching
             else []
         )
@@ -346,6 +353,15 @@ class _Seq:
         self.num_disk_cached = 0  # ... and from G3
         self.draft = 0  # draft tokens scheduled this step (speculative decoding)
 
+    def hash_last_block(self, block_size: int) -> None:
+        """Append the sequence hash of the block just completed by a generated token
+        (a block the prompt's media reach keeps their content hashes)."""
+        index = len(self.tokens) // block_size - 1
+        block = tokens_to_bytes(self.tokens[index * block_size:])
+        mm = [h for b, h in self.mm_hashes or () if b == index]
+        local = local_block_hash(block, self.hash_seed, mm) if mm else _xxh3(block, self.hash_seed)
+        self.hashes.append(next_sequence_hash(self.hashes[-1] if self.hashes else None, local))
+
     def import_first_token(self, config: MockerConfig) -> None:
         """Append output token 0 (what the prefill worker sampled) and extend the block hashes."""
         token = _xxh3(_pack_pair(self.token_seed, self.token_offset)) % config.vocab_size
@@ -353,7 +369,7 @@ class _Seq:
         self.num_generated = 1
         self.imported = True
         if config.enable_prefix_caching:
-            self.hashes = compute_block_hashes(self.tokens, config.block_size, self.lora_name)
+            self.hashes = compute_block_hashes(self.tokens, config.block_size, self.lora_name, self.mm_hashes)
 
 
 class MockerCore:
@@ -452,7 +468,8 @@ class MockerCore:
         (full blocks only; no side effects). A disaggregated decode pulls only the rest."""
         if not self.config.enable_prefix_caching:
             return 0
-        hashes = compute_block_hashes(list(request.prompt_token_ids), self.config.block_size, request.lora_name)
+        hashes = compute_block_hashes(list(request.prompt_token_ids), self.config.block_size, request.lora_name,
+                                      request.mm_hashes(self.config.block_size))
         return self.pool.lookup(hashes) * self.config.block_size
 
     def has_work(self) -> bool:
@@ -640,8 +657,7 @@ class MockerCore:
             tokens.append(token)
             seq.num_generated = index + 1
             if caching and len(tokens) % bs == 0:
-                local = _xxh3(tokens_to_bytes(tokens[-bs:]), seq.hash_seed)
-                seq.hashes.append(next_sequence_hash(seq.hashes[-1] if seq.hashes else None, local))
+                seq.hash_last_block(bs)
             cached = seq.num_cached if index == 0 else 0
             if index == 0:
                 self._count_first_token(seq)
@@ -677,8 +693,7 @@ class MockerCore:
             emitted.append(token)
             seq.num_generated = index + 1
             if caching and len(tokens) % bs == 0:
-                local = _xxh3(tokens_to_bytes(tokens[-bs:]), seq.hash_seed)
-                seq.hashes.append(next_sequence_hash(seq.hashes[-1] if seq.hashes else None, local))
+                seq.hash_last_block(bs)
         seq.num_computed += 1 + accepted  # the fed token and the accepted drafts; the last emitted is pending
         if caching and seq.num_computed // bs > seq.committed:
             seq.committed = seq.num_computed // bs
