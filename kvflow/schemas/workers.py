@@ -8,18 +8,30 @@ from pydantic import Field
 
 from kvflow.schemas.base import Record
 
-__all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat"]
+__all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat", "GENERATION_ROLES", "IMAGE_ROLES"]
 
 
 class WorkerRole(str, Enum):
     """What a worker does: both phases, prefill only, or decode only; or
-    ``embedding``: encodes inputs into vectors (``/v1/embeddings``), never
-    routed a generation request."""
+    ``embedding``: encodes inputs into vectors (``/v1/embeddings``); or one
+    stage of image generation (``/v1/images/generations``, see
+    :mod:`kvflow.schemas.images`): ``conditioning`` encodes prompts (the
+    text stage), ``diffusion`` denoises images from them (the image stage).
+    Only the :data:`GENERATION_ROLES` are routed generation requests."""
 
     aggregated = "aggregated"
     prefill = "prefill"
     decode = "decode"
     embedding = "embedding"
+    conditioning = "conditioning"
+    diffusion = "diffusion"
+
+
+GENERATION_ROLES = frozenset({WorkerRole.aggregated, WorkerRole.prefill, WorkerRole.decode})
+"""Roles of workers that generate text (the router's candidates)."""
+
+IMAGE_ROLES = frozenset({WorkerRole.conditioning, WorkerRole.diffusion})
+"""Roles of the image pipeline's stage workers."""
 
 
 class WorkerStatus(str, Enum):
