@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvflow.schemas import WorkerHeartbeat, WorkerRole, now_ms
+from kvflow.schemas import GENERATION_ROLES, IMAGE_ROLES, WorkerHeartbeat, WorkerRole, now_ms
 from kvflow.streams.workers import Workers, WorkerView
 
 __all__ = ["ModelState", "WorkerRegistry"]
@@ -73,10 +73,16 @@ class WorkerRegistry:
             return None
         return self.workers.lora_base(name)
 
-    def model_state(self, model: str, *, embedding: bool = False) -> ModelState:
+    def model_state(self, model: str, *, embedding: bool = False, image: bool = False) -> ModelState:
         """See :class:`ModelState`; ``serving`` counts generation workers, or
-        embedding workers with ``embedding``."""
-        if any(w.model == model and (w.role is WorkerRole.embedding) == embedding for w in self.live_workers()):
+        embedding workers with ``embedding``, or with ``image`` a live worker
+        of each image stage (conditioning and diffusion)."""
+        live = [w for w in self.live_workers() if w.model == model]
+        if image:
+            serving = {w.role for w in live} >= IMAGE_ROLES
+        else:
+            serving = any(w.role is WorkerRole.embedding if embedding else w.role in GENERATION_ROLES for w in live)
+        if serving:
             return ModelState.serving
         return ModelState.unavailable if model in self.models_seen else ModelState.unknown
 
@@ -85,15 +91,30 @@ class WorkerRegistry:
         roles = {w.role for w in self.live_workers() if w.model == model}
         return roles == {WorkerRole.embedding}
 
+    def image_only(self, model: str) -> bool:
+        """Whether ``model`` is served, by image stage workers only (no text generation)."""
+        roles = {w.role for w in self.live_workers() if w.model == model}
+        return bool(roles) and roles <= IMAGE_ROLES
+
     def embedding_workers(self, model: str) -> list[WorkerView]:
         """Live embedding workers of ``model``, sorted by id."""
         return [w for w in self.live_workers() if w.model == model and w.role is WorkerRole.embedding]
+
+    def stage_workers(self, model: str, role: WorkerRole) -> list[WorkerView]:
+        """Live workers of ``model`` in image stage ``role``, sorted by id."""
+        return [w for w in self.live_workers() if w.model == model and w.role is role]
+
+    def image_models(self) -> list[str]:
+        """Models with a live worker in every image stage, sorted."""
+        live = self.live_workers()
+        return sorted(m for m in {w.model for w in live}
+                      if {w.role for w in live if w.model == m} >= IMAGE_ROLES)
 
     def tokenizer_spec(self, model: str) -> str | None:
         """The tokenizer spec advertised by ``model``'s live generation workers
         (the lowest worker id wins if they disagree), or None if none is live."""
         for w in self.live_workers():
-            if w.model == model and w.role is not WorkerRole.embedding:
+            if w.model == model and w.role in GENERATION_ROLES:
                 return w.tokenizer
         return None
 
@@ -102,5 +123,5 @@ class WorkerRegistry:
         smallest one its live serving workers advertise (the router may pick
         any of them), or None if none advertises one."""
         lengths = [w.context_length for w in self.live_workers()
-                   if w.model == model and w.context_length is not None and w.role is not WorkerRole.embedding]
+                   if w.model == model and w.context_length is not None and w.role in GENERATION_ROLES]
         return min(lengths, default=None)
