@@ -8,20 +8,24 @@ dead-lettered."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from aiokafka import TopicPartition
+from typer.testing import CliRunner
 
 pytest.importorskip("diffusers")
 
 from deployment import wait_bridge_healthy, wait_models  # noqa: E402
 from test_images import pixels  # noqa: E402
 
+from kvflow.cli import app  # noqa: E402
 from kvflow.models.image import TINY_IMAGE_MODEL  # noqa: E402
-from kvflow.replay.images import recorded_conditioning, replay_diffusion  # noqa: E402
 from kvflow.schemas import (  # noqa: E402
     DeadLetter,
     ImageConditioning,
@@ -86,7 +90,7 @@ async def dead_letters(settings, catalog, topics: set[str], timeout_s: float = 6
     return found
 
 
-async def test_images_api_over_kafka(deployment, kafka):
+async def test_images_api_over_kafka(deployment, kafka, tmp_path):
     settings, catalog = kafka
     url = deployment.url
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -142,11 +146,17 @@ async def test_images_api_over_kafka(deployment, kafka):
     assert isinstance(answers[rid], ImageResult) and answers[rid].worker_id == workers[WorkerRole.diffusion]
     assert answers[rid].images == [d["b64_json"] for d in body["data"]]
 
-    # The image stage replayed alone, in this process, from the recorded conditioning.
-    (replayed,) = replay_diffusion(await recorded_conditioning(settings, catalog, [rid]))
-    assert replayed.request_id == rid and replayed.seed == 7 and len(replayed.images) == 2
-    for live, again in zip(body["data"], replayed.images):
-        assert np.abs(pixels(live["b64_json"]).astype(int) - pixels(again).astype(int)).max() <= 1
+    # The image stage replayed alone, in this process, from the recorded conditioning (`kvflow replay-images`).
+    out = tmp_path / "replayed"
+    replay = await asyncio.to_thread(CliRunner().invoke, app, [
+        "replay-images", rid, "--out", str(out), "--bootstrap-servers", settings.bootstrap_servers,
+        "--namespace", settings.namespace])
+    assert replay.exit_code == 0, replay.output
+    line = json.loads(replay.output.strip().splitlines()[-1])
+    assert line["request_id"] == rid and line["seed"] == 7 and line["size"] == "32x32" and line["error"] is None
+    assert [Path(f).name for f in line["files"]] == [f"{rid}-0.png", f"{rid}-1.png"]
+    # The same PNG files: the tiny pipeline runs one torch thread in the worker and here alike.
+    assert [Path(f).read_bytes() for f in line["files"]] == [base64.b64decode(d["b64_json"]) for d in body["data"]]
 
     # A malformed record on either stage's queue is dead-lettered by its worker, which goes on.
     slots = {c.role: c.slot for c in deployment.children.values()}
