@@ -27,10 +27,12 @@ from kvflow.schemas import (
     encode,
 )
 from kvflow.schemas.openai_images import parse_size
+from kvflow.streams.catalog import Catalog
 from kvflow.workers.main import build_image_stage
 
 REPLY = ReplyTo(topic="ns.responses", partition=3)
-DIFFUSION_TOPIC = "ns.queue.diffusion"
+DIFFUSION_QUEUE = Catalog("ns").queue(WorkerRole.diffusion)
+DIFFUSION_TOPIC = DIFFUSION_QUEUE.name
 
 
 def pixels(b64_png: str) -> np.ndarray:
@@ -52,9 +54,9 @@ def tiny_stages():
     """(text stage, image stage) of the tiny pipeline, built in this process (skips without diffusers)."""
     pytest.importorskip("diffusers")
     text, _ = build_image_stage(WorkerRole.conditioning, TINY_IMAGE_MODEL, worker_id="c0",
-                                diffusion_topic=DIFFUSION_TOPIC)
+                                diffusion_topic=DIFFUSION_QUEUE)
     image, _ = build_image_stage(WorkerRole.diffusion, TINY_IMAGE_MODEL, worker_id="d0",
-                                 diffusion_topic=DIFFUSION_TOPIC)
+                                 diffusion_topic=DIFFUSION_QUEUE)
     return text, image
 
 
@@ -100,6 +102,9 @@ def test_stages_answer_errors_on_reply_to(tiny_stages):
     assert other_model.record.error.status == 404 and other_model.record.error.code == "model_not_found"
     late = text.run(image_request(deadline_ms=1))
     assert late.record.error.status == 504 and late.record.error.code == "deadline_exceeded"
+    nowhere = text.run(image_request(diffusion_partition=DIFFUSION_QUEUE.partitions))
+    assert (nowhere.topic, nowhere.record.error.status, nowhere.record.error.param) == (
+        REPLY.topic, 400, "diffusion_partition")
 
 
 def test_parse_size():
@@ -156,7 +161,7 @@ def one_torch_thread():
 def test_a_stable_diffusion_directory_runs_split_across_the_stages(tmp_path, one_torch_thread):
     pytest.importorskip("diffusers")
     model_dir = str(build_stable_diffusion_dir(tmp_path))
-    stages = tuple(build_image_stage(role, model_dir, worker_id=role.value, diffusion_topic=DIFFUSION_TOPIC)[0]
+    stages = tuple(build_image_stage(role, model_dir, worker_id=role.value, diffusion_topic=DIFFUSION_QUEUE)[0]
                    for role in (WorkerRole.conditioning, WorkerRole.diffusion))
     request = image_request(model="tiny-sd", width=24, height=16, num_inference_steps=2)
     conditioning, result = run_both(stages, request)

@@ -19,6 +19,7 @@ from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
 if TYPE_CHECKING:
+    from kvflow.streams.catalog import TopicSpec
     from kvflow.workers.images.stage_worker import StageWorkerConfig
 
 __all__ = ["build_engine", "run_worker", "run_embedding_worker", "build_image_stage", "run_image_stage_worker"]
@@ -179,11 +180,12 @@ async def run_embedding_worker(settings: Settings, *, slot: int, model: str, wor
     await worker.run()
 
 
-def build_image_stage(role: WorkerRole, model: str, *, worker_id: str, diffusion_topic: str, device: str = "cpu",
-                      tokenizer: str | None = None) -> tuple[Any, StageWorkerConfig]:
+def build_image_stage(role: WorkerRole, model: str, *, worker_id: str, diffusion_topic: TopicSpec,
+                      device: str = "cpu", tokenizer: str | None = None) -> tuple[Any, StageWorkerConfig]:
     """Load the model of image stage ``role`` (``conditioning``: the text encoder,
     ``diffusion``: the denoiser; :mod:`kvflow.workers.images.models`) and build the
     stage; returns ``(stage, config without a slot)``, the config's ``slot`` 0.
+    ``diffusion_topic`` is the image stage's queue (where the text stage sends its output).
 
     Raises:
         ValueError: ``role`` is not an image stage.
@@ -198,7 +200,7 @@ def build_image_stage(role: WorkerRole, model: str, *, worker_id: str, diffusion
     name = resolve_image_model(model).name
     if role is WorkerRole.conditioning:
         encoder = load_text_encoder(model, device=device, tokenizer=tokenizer)
-        return (ConditioningStage(encoder, name, worker_id, diffusion_topic),
+        return (ConditioningStage(encoder, name, worker_id, diffusion_topic.name, diffusion_topic.partitions),
                 StageWorkerConfig(worker_id=worker_id, role=role, slot=0, model=name, tokenizer=encoder.tokenizer,
                                   context_length=encoder.max_tokens))
     if role is WorkerRole.diffusion:
@@ -221,7 +223,7 @@ async def run_image_stage_worker(settings: Settings, *, role: WorkerRole, slot: 
 
     catalog = Catalog(settings.namespace)
     stage, config = await asyncio.to_thread(build_image_stage, role, model, worker_id=worker_id,
-                                            diffusion_topic=catalog.queue(WorkerRole.diffusion).name,
+                                            diffusion_topic=catalog.queue(WorkerRole.diffusion),
                                             device=device, tokenizer=tokenizer)
     config.slot = slot
     worker = StageWorker(settings, config, stage, catalog)

@@ -17,6 +17,7 @@ records are on their queue topics, so either can be replayed alone
 
 from __future__ import annotations
 
+import math
 import secrets
 import uuid
 
@@ -84,7 +85,7 @@ async def _model(state: BridgeState, body: ImagesRequest) -> str:
         raise invalid_request(f"`model` is required: this deployment serves several image models "
                               f"({', '.join(models)}).", param="model", code="missing_required_parameter")
     raise BridgeError(503, "No live workers serve an image model; retry later.", "service_unavailable",
-                      code="no_live_workers", headers={"Retry-After": str(max(1, int(state.retry_after_s)))})
+                      code="no_live_workers", headers={"Retry-After": str(max(1, math.ceil(state.retry_after_s)))})
 
 
 def _least_loaded(state: BridgeState, workers: list[WorkerView]) -> WorkerView:

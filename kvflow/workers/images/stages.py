@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -97,20 +97,27 @@ def _refused(request: ImageRequest, model: str, worker_id: str) -> ImageResult |
 class ConditioningStage:
     """The text stage: encode the prompt, send the conditioning on to the image stage.
 
-    ``diffusion_topic`` is the image stage's queue topic; ``model`` the
-    served model name (requests naming another are refused).
+    ``diffusion_topic`` is the image stage's queue topic and
+    ``diffusion_partitions`` its partition count (a request naming a
+    partition beyond it is refused); ``model`` the served model name
+    (requests naming another are refused).
     """
 
     encoder: TextEncoder
     model: str
     worker_id: str
     diffusion_topic: str
+    diffusion_partitions: int
     input_schema: ClassVar[type[Record]] = ImageRequest
 
     def run(self, request: ImageRequest) -> Output:
         """The conditioning for ``request.diffusion_partition``, or an error result for ``request.reply_to``."""
         reply = (request.reply_to.topic, request.reply_to.partition)
         refused = _refused(request, self.model, self.worker_id)
+        if refused is None and request.diffusion_partition >= self.diffusion_partitions:
+            refused = _failed(request, self.model, self.worker_id, ImageModelError(
+                f"diffusion_partition {request.diffusion_partition} is not a partition of {self.diffusion_topic} "
+                f"({self.diffusion_partitions})", param="diffusion_partition"))
         if refused is not None:
             return Output(*reply, refused)
         try:
@@ -167,6 +174,6 @@ class DiffusionStage:
     def run(self, conditioning: ImageConditioning) -> Output:
         """The result of ``conditioning`` (or its refusal) for the request's ``reply_to``."""
         request = conditioning.request
-        reply: tuple[Any, ...] = (request.reply_to.topic, request.reply_to.partition)
+        reply = (request.reply_to.topic, request.reply_to.partition)
         refused = _refused(request, self.model, self.worker_id)
         return Output(*reply, refused if refused is not None else self.render(conditioning))
