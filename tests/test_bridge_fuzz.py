@@ -28,6 +28,8 @@ from kvflow.schemas import (
     ErrorInfo,
     FinalResponse,
     FinishReason,
+    ImageRequest,
+    ImageResult,
     InferenceRequest,
     TokenDelta,
     Usage,
@@ -90,6 +92,14 @@ class TinyEngine:
         return EmbeddingResult(request_id=request.request_id, model=request.model, prompt_tokens=request.num_inputs,
                                embeddings=[[1.0 / dim ** 0.5] * dim for _ in range(request.num_inputs)])
 
+    async def generate_image(self, request: ImageRequest, partition: int) -> ImageResult:
+        """Answer an image request with ``n`` copies of a one-pixel PNG (the size it asked for, or 8x8)."""
+        return ImageResult(request_id=request.request_id, model=request.model, images=[ONE_PIXEL_PNG] * request.n,
+                           width=request.width or 8, height=request.height or 8, seed=request.seed)
+
+
+ONE_PIXEL_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4AAAAAElFTkSuQmCC")
+"""Base64 of a 1x1 RGB PNG."""
 
 ENGINE = TinyEngine()
 STATE = BridgeState(settings=Settings(max_prompt_tokens=4096), source=ENGINE,
@@ -97,6 +107,10 @@ STATE = BridgeState(settings=Settings(max_prompt_tokens=4096), source=ENGINE,
 STATE.registry.apply(heartbeat(context_length=2048))
 # The same model name on an embedding worker: embeddings bodies travel on to TinyEngine.embed too.
 STATE.registry.apply(heartbeat(worker_id="e0", role=WorkerRole.embedding, queue_topic="ns.queue.embedding"))
+# And on both image stages: image bodies travel on to TinyEngine.generate_image.
+for _stage in (WorkerRole.conditioning, WorkerRole.diffusion):
+    STATE.registry.apply(heartbeat(worker_id=f"{_stage.value[:3]}0", role=_stage,
+                                   queue_topic=f"ns.queue.{_stage.value}"))
 APP = build_app_for_state(STATE)
 STATUSES: Counter[int] = Counter()
 

@@ -203,6 +203,8 @@ async def test_every_consumed_topic_dead_letters_bad_records_once_and_goes_on(de
         catalog.queue(WorkerRole.prefill).name, catalog.queue(WorkerRole.decode).name,  # no such workers run
         catalog.queue(WorkerRole.embedding).name,  # tests/test_embeddings.py covers its dead letters
         catalog.queue(WorkerRole.encode).name,  # tests/test_multimodal_live.py covers its dead letters
+        catalog.queue(WorkerRole.conditioning).name,  # tests/test_images_live.py covers both image stages
+        catalog.queue(WorkerRole.diffusion).name,
         catalog.routing_decisions.name,  # read only by `kvflow explain`, which skips malformed records
         catalog.responses_log.name,  # read only by previous_response_id lookups, which skip them too
         catalog.expert_placement.name}  # published by `kvflow eplb`; no process consumes it yet

@@ -34,6 +34,7 @@ from kvflow.schemas.kv_events import (
 )
 from kvflow.schemas.eplb import ExpertPlacementMap
 from kvflow.schemas.media import EncodeForward, MediaItem, MediaKind
+from kvflow.schemas.images import ImageConditioning, ImageRequest
 from kvflow.schemas.metrics import KvTierMetrics, MetricRecord, RequestMetrics, SpecDecodeMetrics, WorkerMetrics
 from kvflow.schemas.requests import (
     ChatMessage,
@@ -50,6 +51,7 @@ from kvflow.schemas.responses import (
     ErrorInfo,
     FinalResponse,
     FinishReason,
+    ImageResult,
     ResponseEvent,
     Timings,
     TokenDelta,
@@ -58,13 +60,14 @@ from kvflow.schemas.responses import (
 )
 from kvflow.schemas.responses_log import StoredResponse
 from kvflow.schemas.scaling import ScalingCommand
-from kvflow.schemas.workers import WorkerHeartbeat, WorkerRole, WorkerStatus
+from kvflow.schemas.workers import GENERATION_ROLES, IMAGE_ROLES, WorkerHeartbeat, WorkerRole, WorkerStatus
 
 __all__ = [
     "AdminAction", "AdminCommand", "AdminCommandApplied", "ControlRecord",
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "CancelReason", "CancelRequest", "CandidateCost",
     "ChatMessage", "DEADLINE_EXCEEDED", "EncodeForward", "MediaItem", "MediaKind", "DeadLetter", "DecisionOutcome", "DecisionRecord", "EmbeddingRequest", "ExpertPlacementMap",
-    "EmbeddingResult", "ErrorInfo",
+    "EmbeddingResult", "ErrorInfo", "GENERATION_ROLES", "IMAGE_ROLES", "ImageConditioning", "ImageRequest",
+    "ImageResult",
     "FinalResponse", "FinishReason", "InferenceRequest", "InflightRecord", "KV_WIRE_VERSION", "KvDumpRequest",
     "KvEvent", "KvEventBatch", "KvTier", "KvWireBatch", "MetricRecord", "Record", "RecordError", "ReplyTo",
     "RequestAdmitted", "RequestFinished", "RequestKind", "RequestMetrics",

@@ -12,7 +12,7 @@ from kvflow.schemas.requests import RoutingDecision
 from kvflow.schemas.transfer import KvTransferInfo
 
 __all__ = ["DEADLINE_EXCEEDED", "FinishReason", "Usage", "Timings", "ErrorInfo", "TokenDelta", "FinalResponse",
-           "EmbeddingResult", "ResponseEvent", "deadline_exceeded"]
+           "EmbeddingResult", "ImageResult", "ResponseEvent", "deadline_exceeded"]
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
 """``ErrorInfo.code`` of a request that passed its ``deadline_ms`` (HTTP 504)."""
@@ -126,7 +126,34 @@ class EmbeddingResult(Record):
     error: ErrorInfo | None = None
 
 
-ResponseEvent = Annotated[Union[TokenDelta, FinalResponse, EmbeddingResult], Field(discriminator="type")]
+class ImageResult(Record):
+    """The answer to an :class:`~kvflow.schemas.images.ImageRequest`: one
+    record per request, written by the diffusion worker.
+
+    ``images`` holds ``n`` PNG files, base64 (standard alphabet), in the
+    order the seeded generator drew their noise; ``width``/``height`` are
+    their size in pixels, ``seed`` and ``num_inference_steps`` what made
+    them. ``timings``: ``queued_ms`` when the request reached the diffusion
+    worker's queue (the conditioning record's time), ``started_ms``/
+    ``finished_ms`` the denoising loop (epoch ms). ``error`` is set, and
+    ``images`` empty, when the request failed.
+    """
+
+    type: Literal["image"] = "image"
+    request_id: str
+    model: str = ""
+    images: list[str] = Field(default_factory=list)
+    width: int = Field(default=0, ge=0)
+    height: int = Field(default=0, ge=0)
+    seed: int = 0
+    num_inference_steps: int = Field(default=0, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0)
+    timings: Timings = Field(default_factory=Timings)
+    worker_id: str = ""
+    error: ErrorInfo | None = None
+
+
+ResponseEvent = Annotated[Union[TokenDelta, FinalResponse, EmbeddingResult, ImageResult], Field(discriminator="type")]
 """Any record on the responses topic, told apart by ``type``: the token
 deltas and final response of a generation request, or the one result of an
-embeddings request."""
+embeddings or image request."""

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from kvflow.schemas.base import Record
 
-__all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat"]
+__all__ = ["WorkerRole", "WorkerStatus", "WorkerHeartbeat", "GENERATION_ROLES", "IMAGE_ROLES"]
 
 
 class WorkerRole(str, Enum):
@@ -16,18 +16,31 @@ class WorkerRole(str, Enum):
     ``embedding``: encodes inputs into vectors (``/v1/embeddings``), never
     routed a generation request; or ``encode``: turns the media of its
     ``model``'s requests into embeddings (:mod:`kvflow.schemas.media`) and
-    passes each request on to the worker the router chose."""
+    passes each request on to the worker the router chose; or one stage of
+    image generation (``/v1/images/generations``, see
+    :mod:`kvflow.schemas.images`): ``conditioning`` encodes prompts (the text
+    stage), ``diffusion`` denoises images from them (the image stage). Only
+    the :data:`GENERATION_ROLES` are routed generation requests."""
 
     aggregated = "aggregated"
     prefill = "prefill"
     decode = "decode"
     embedding = "embedding"
     encode = "encode"
+    conditioning = "conditioning"
+    diffusion = "diffusion"
 
     @property
     def generates(self) -> bool:
-        """Whether workers of this role serve text generation (aggregated, prefill, decode)."""
-        return self in (WorkerRole.aggregated, WorkerRole.prefill, WorkerRole.decode)
+        """Whether workers of this role serve text generation (:data:`GENERATION_ROLES`)."""
+        return self in GENERATION_ROLES
+
+
+GENERATION_ROLES = frozenset({WorkerRole.aggregated, WorkerRole.prefill, WorkerRole.decode})
+"""Roles of workers that generate text (the router's candidates)."""
+
+IMAGE_ROLES = frozenset({WorkerRole.conditioning, WorkerRole.diffusion})
+"""Roles of the image pipeline's stage workers."""
 
 
 class WorkerStatus(str, Enum):

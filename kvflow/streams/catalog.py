@@ -20,6 +20,9 @@ from kvflow.schemas import (
     DecisionRecord,
     EmbeddingRequest,
     ExpertPlacementMap,
+    GENERATION_ROLES,
+    ImageConditioning,
+    ImageRequest,
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
@@ -32,10 +35,15 @@ from kvflow.schemas import (
     WorkerRole,
 )
 
-__all__ = ["TopicSpec", "Catalog", "QUEUE_SLOTS", "RESPONSE_SLOTS"]
+__all__ = ["TopicSpec", "Catalog", "QUEUE_SLOTS", "STAGE_SLOTS", "RESPONSE_SLOTS"]
 
 QUEUE_SLOTS = 64
 """Partitions per worker-queue topic = most workers per pool."""
+
+STAGE_SLOTS = 16
+"""Partitions of each image-stage queue = most workers per stage pool (a
+diffusion worker is a whole accelerator's work; fewer partitions keep topic
+creation cheap)."""
 
 RESPONSE_SLOTS = 32
 """Partitions of the responses topic = most concurrent response consumers."""
@@ -171,20 +179,38 @@ class Catalog:
                 description="records that failed to decode or process",
             ),
         }
-        for role in WorkerRole:
-            if role is WorkerRole.embedding:
-                continue
+        for role in sorted(GENERATION_ROLES, key=list(WorkerRole).index):
             topics[f"queue.{role.value}"] = spec(
                 f"queue.{role.value}", partitions=QUEUE_SLOTS, key="request_id", value_schema=InferenceRequest,
                 producers=("router",), consumers=(f"{role.value}-worker",),
                 description=f"routed requests for {role.value} workers; partition = worker slot",
             )
+        # Requests with media the router sends by way of an encode worker, which
+        # passes each on to the queue of the worker the router chose (forward_to).
+        topics["queue.encode"] = spec(
+            "queue.encode", partitions=QUEUE_SLOTS, key="request_id", value_schema=InferenceRequest,
+            producers=("router",), consumers=("encode-worker",),
+            description="routed requests whose media encode workers turn into embeddings; partition = worker slot",
+        )
         # Embeddings skip the router (an encoder holds no KV to route by): the
         # bridge picks a live embedding worker and writes to its slot.
         topics["queue.embedding"] = spec(
             "queue.embedding", partitions=QUEUE_SLOTS, key="request_id", value_schema=EmbeddingRequest,
             producers=("bridge", "client"), consumers=("embedding-worker",),
             description="embeddings requests for embedding workers; partition = worker slot",
+        )
+        # The image pipeline's stages (kvflow.schemas.images) skip the router too: the
+        # bridge picks a worker of each stage and writes to the first one's slot; the
+        # text stage writes its output to the slot of the image stage named in the request.
+        topics["queue.conditioning"] = spec(
+            "queue.conditioning", partitions=STAGE_SLOTS, key="request_id", value_schema=ImageRequest,
+            producers=("bridge",), consumers=("conditioning-worker",),
+            description="image requests for the text stage (prompt encoding); partition = worker slot",
+        )
+        topics["queue.diffusion"] = spec(
+            "queue.diffusion", partitions=STAGE_SLOTS, key="request_id", value_schema=ImageConditioning,
+            producers=("conditioning-worker",), consumers=("diffusion-worker", "replay"),
+            description="encoded prompts for the image stage (denoising); partition = worker slot",
         )
         object.__setattr__(self, "topics", topics)
 

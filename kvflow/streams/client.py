@@ -66,6 +66,8 @@ from kvflow.schemas import (
     EmbeddingRequest,
     EmbeddingResult,
     FinalResponse,
+    ImageRequest,
+    ImageResult,
     InferenceRequest,
     RecordError,
     ReplyTo,
@@ -527,6 +529,28 @@ class KvflowClient:
             ValueError: ``request.reply_to`` is not this client's slot.
             aiokafka.errors.KafkaError: the broker did not take the request.
         """
+        return await self._call(self.catalog.queue(WorkerRole.embedding).name, partition, request, EmbeddingResult,
+                                "embeddings")
+
+    async def generate_image(self, request: ImageRequest, partition: int) -> ImageResult:
+        """Send an image request to ``queue.conditioning[partition]`` (the
+        slot of the text-stage worker chosen by the caller; the image-stage
+        slot is ``request.diffusion_partition``) and return its result
+        (which may carry an ``error``).
+
+        Raises:
+            RequestTimeout: no result by the request's ``deadline_ms``, or
+                within ``timeout_s`` when it has none.
+            ValueError: ``request.reply_to`` is not this client's slot.
+            aiokafka.errors.KafkaError: the broker did not take the request.
+        """
+        return await self._call(self.catalog.queue(WorkerRole.conditioning).name, partition, request, ImageResult,
+                                "images")
+
+    async def _call(self, topic: str, partition: int, request: EmbeddingRequest | ImageRequest,
+                    result_type: type, what: str) -> Any:
+        """Send ``request`` to ``topic[partition]`` and return the first
+        ``result_type`` record answering it on this client's slot."""
         if request.reply_to != self.reply_to:
             raise ValueError("request.reply_to must be this client's reply_to")
         wait_s = self.timeout_s
@@ -536,7 +560,6 @@ class KvflowClient:
         self._pending[request.request_id] = queue
         try:
             wake(self._consumer)
-            topic = self.catalog.queue(WorkerRole.embedding).name
             await self._producer.send_and_wait(topic, encode(request), key=request.request_id.encode(),
                                                partition=partition)
             produced(topic)
@@ -546,8 +569,8 @@ class KvflowClient:
                 try:
                     _, event = await asyncio.wait_for(queue.get(), max(0.0, until - loop.time()))
                 except asyncio.TimeoutError:
-                    raise RequestTimeout(f"no embeddings for {request.request_id} within {wait_s:.1f} s") from None
-                if isinstance(event, EmbeddingResult):
+                    raise RequestTimeout(f"no {what} for {request.request_id} within {wait_s:.1f} s") from None
+                if isinstance(event, result_type):
                     return event
         finally:
             if self._pending.get(request.request_id) is queue:

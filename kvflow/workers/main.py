@@ -10,16 +10,20 @@ import logging
 import signal
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvflow.schemas import WorkerRole
+from kvflow.schemas import IMAGE_ROLES, WorkerRole
 from kvflow.settings import Settings
 from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
 __all__ = ["build_engine", "run_worker", "run_embedding_worker", "run_encode_worker", "encode_target",
-           "DEFAULT_MEDIA_HIDDEN_SIZE", "MEDIA_ENCODER_SEED"]
+           "DEFAULT_MEDIA_HIDDEN_SIZE", "MEDIA_ENCODER_SEED", "build_image_stage", "run_image_stage_worker"]
+
+if TYPE_CHECKING:
+    from kvflow.streams.catalog import TopicSpec
+    from kvflow.workers.images.stage_worker import StageWorkerConfig
 
 DEFAULT_MEDIA_HIDDEN_SIZE = 64
 """Width media embeddings are projected to for a model without a ``config.json``
@@ -127,8 +131,10 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
     ``<kv_disk_dir or data_dir/kv-disk>/<worker id>``).
 
     Role ``embedding`` runs :func:`run_embedding_worker` on ``model``, role
-    ``encode`` :func:`run_encode_worker` for ``engine``'s ``model`` (other
-    engine options are ignored).
+    ``encode`` :func:`run_encode_worker` for ``engine``'s ``model``, and roles
+    ``conditioning`` and ``diffusion`` run :func:`run_image_stage_worker`
+    (other engine options are ignored; ``tokenizer`` is the tiny image
+    pipeline's).
     """
     worker_id = worker_id or f"{role.value[:3]}-{slot}-{uuid.uuid4().hex[:6]}"
     if role is WorkerRole.embedding:
@@ -136,6 +142,10 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
         return
     if role is WorkerRole.encode:
         await run_encode_worker(settings, slot=slot, engine=engine, model=model, worker_id=worker_id)
+        return
+    if role in IMAGE_ROLES:
+        await run_image_stage_worker(settings, role=role, slot=slot, model=model, worker_id=worker_id,
+                                     device=device, tokenizer=tokenizer)
         return
     connector = None
     if engine == "vllm":
@@ -225,6 +235,57 @@ async def run_encode_worker(settings: Settings, *, slot: int, engine: str, model
     name, hidden = await asyncio.to_thread(encode_target, engine, model)
     encoder = build_media_encoder(hidden, seed=MEDIA_ENCODER_SEED)
     worker = EncodeWorker(settings, EncodeWorkerConfig(worker_id=worker_id, slot=slot, model=name), encoder)
+    _drain_on_signals(worker)
+    await worker.run()
+
+
+def build_image_stage(role: WorkerRole, model: str, *, worker_id: str, diffusion_topic: TopicSpec,
+                      device: str = "cpu", tokenizer: str | None = None) -> tuple[Any, StageWorkerConfig]:
+    """Load the model of image stage ``role`` (``conditioning``: the text encoder,
+    ``diffusion``: the denoiser; :mod:`kvflow.workers.images.models`) and build the
+    stage; returns ``(stage, config without a slot)``, the config's ``slot`` 0.
+    ``diffusion_topic`` is the image stage's queue (where the text stage sends its output).
+
+    Raises:
+        ValueError: ``role`` is not an image stage.
+        kvflow.models.resolve.ModelNotFoundError: ``model`` cannot be resolved.
+        ImportError: diffusers is not installed (``pip install 'kvflow[images]'``).
+    """
+    from kvflow.models.image import resolve_image_model
+    from kvflow.workers.images.models import load_denoiser, load_text_encoder
+    from kvflow.workers.images.stage_worker import StageWorkerConfig
+    from kvflow.workers.images.stages import ConditioningStage, DiffusionStage
+
+    name = resolve_image_model(model).name
+    if role is WorkerRole.conditioning:
+        encoder = load_text_encoder(model, device=device, tokenizer=tokenizer)
+        return (ConditioningStage(encoder, name, worker_id, diffusion_topic.name, diffusion_topic.partitions),
+                StageWorkerConfig(worker_id=worker_id, role=role, slot=0, model=name, tokenizer=encoder.tokenizer,
+                                  context_length=encoder.max_tokens))
+    if role is WorkerRole.diffusion:
+        return (DiffusionStage(load_denoiser(model, device=device), name, worker_id),
+                StageWorkerConfig(worker_id=worker_id, role=role, slot=0, model=name))
+    raise ValueError(f"{role.value} is not an image stage")
+
+
+async def run_image_stage_worker(settings: Settings, *, role: WorkerRole, slot: int, model: str, worker_id: str,
+                                 device: str = "cpu", tokenizer: str | None = None) -> None:
+    """Load image stage ``role``'s model (:func:`build_image_stage`) and serve
+    ``queue.<role>[slot]`` until drained (SIGTERM/SIGINT) or stopped.
+
+    Raises:
+        kvflow.models.resolve.ModelNotFoundError: ``model`` cannot be resolved.
+        ImportError: diffusers is not installed.
+    """
+    from kvflow.streams.catalog import Catalog
+    from kvflow.workers.images.stage_worker import StageWorker
+
+    catalog = Catalog(settings.namespace)
+    stage, config = await asyncio.to_thread(build_image_stage, role, model, worker_id=worker_id,
+                                            diffusion_topic=catalog.queue(WorkerRole.diffusion),
+                                            device=device, tokenizer=tokenizer)
+    config.slot = slot
+    worker = StageWorker(settings, config, stage, catalog)
     _drain_on_signals(worker)
     await worker.run()
 

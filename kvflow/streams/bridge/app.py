@@ -19,7 +19,7 @@ from kvflow.streams.bridge.api_keys import configured_api_keys, log_auth_mode
 from kvflow.streams.bridge.errors import install_error_handlers
 from kvflow.streams.bridge.lifecycle import kafka_bridge_state
 from kvflow.streams.bridge.openapi import install_openapi
-from kvflow.streams.bridge.routes import chat, completions, embeddings, health, models, responses
+from kvflow.streams.bridge.routes import chat, completions, embeddings, health, images, models, responses
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.catalog import Catalog
 
@@ -30,7 +30,7 @@ def _assemble(lifespan: Callable[[FastAPI], Any] | None) -> FastAPI:
     app = FastAPI(title="kvflow bridge", summary="OpenAI-compatible HTTP front of a kvflow pipeline",
                   lifespan=lifespan)
     install_error_handlers(app)
-    for module in (chat, completions, responses, embeddings, models, health):
+    for module in (chat, completions, responses, embeddings, images, models, health):
         app.include_router(module.router)
     install_openapi(app)
     return app

@@ -155,8 +155,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> BridgeErr
     """400 for a pydantic/FastAPI validation failure, naming the first bad field.
 
     ``param`` is the dotted field path (``messages.0.content``). ``n``
-    above 1 gets a message saying multiple choices are unsupported rather
-    than pydantic's bare bound message.
+    above 1, where the body allows only 1, gets a message saying multiple
+    choices are unsupported rather than pydantic's bare bound message.
     """
     errors = exc.errors()
     if not errors:
@@ -167,7 +167,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> BridgeErr
     if first.get("type") == "json_invalid":
         return invalid_request(f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     value = first.get("input")
-    if loc == ["n"] and isinstance(value, int) and not isinstance(value, bool) and value > 1:
+    one_choice = (first.get("ctx") or {}).get("le") == 1  # a body that takes only n=1 (chat, completions)
+    if loc == ["n"] and one_choice and isinstance(value, int) and not isinstance(value, bool) and value > 1:
         return invalid_request("Only n=1 is supported (one choice per request).", param="n", code="unsupported")
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:

@@ -97,9 +97,10 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
             wake(consumer)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + MODEL_WAIT_S
-            def served() -> bool:  # by a generation or an embedding worker
+            def served() -> bool:  # by a generation or an embedding worker, or both image stages
                 return ModelState.serving in (registry.model_state(model),
-                                              registry.model_state(model, embedding=True))
+                                              registry.model_state(model, embedding=True),
+                                              registry.model_state(model, image=True))
 
             while not served() and loop.time() < deadline:
                 applied.clear()

@@ -1,7 +1,8 @@
 """The bridge's OpenAPI schema, with the request bodies its routes parse themselves.
 
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` read the raw body (to bound
-its size while it streams in, see :mod:`kvflow.streams.bridge.body`), so
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/embeddings`` and
+``/v1/images/generations`` read the raw body (to bound its size while it streams in, see
+:mod:`kvflow.streams.bridge.body`), so
 FastAPI cannot see their body models. :func:`install_openapi` adds them:
 each operation's ``requestBody`` refers to the JSON schema of its pydantic
 model (:mod:`kvflow.schemas.openai`), bounds included, so clients and
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvflow.schemas.openai import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, ErrorResponse
+from kvflow.schemas.openai_images import ImagesRequest
 from kvflow.schemas.openai_responses import ResponsesRequest
 
 __all__ = ["REQUEST_BODIES", "ERROR_RESPONSES", "REQUEST_HEADERS", "install_openapi"]
@@ -28,6 +30,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/embeddings", "post"): EmbeddingsRequest,
     ("/v1/responses", "post"): ResponsesRequest,
+    ("/v1/images/generations", "post"): ImagesRequest,
 }
 """(path, method) → the model its JSON body is validated against."""
 

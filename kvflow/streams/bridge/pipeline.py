@@ -129,6 +129,9 @@ def _tokenizer_spec(state: BridgeState, model: str) -> str:
     if status is not ModelState.serving and state.registry.embedding_only(model):
         raise invalid_request(f"The model `{model}` is an embedding model; use /v1/embeddings.", param="model",
                               code="model_not_supported")
+    if status is not ModelState.serving and state.registry.image_only(model):
+        raise invalid_request(f"The model `{model}` is an image model; use /v1/images/generations.",
+                              param="model", code="model_not_supported")
     spec = state.registry.tokenizer_spec(model) if status is ModelState.serving else None
     if spec is None:
         raise no_live_workers(model, state.retry_after_s)

@@ -101,6 +101,9 @@ class BridgeState:
     embeddings_sent: dict[str, int] = field(default_factory=dict)
     """Embeddings requests this bridge sent to each embedding worker (by id)
     and has no answer to yet: the bridge's own load on it, between heartbeats."""
+    stage_sent: dict[str, int] = field(default_factory=dict)
+    """Image requests this bridge sent through each image-stage worker (by id)
+    and has no answer to yet, likewise."""
 
     def __post_init__(self) -> None:
         if self.responses_log is None:

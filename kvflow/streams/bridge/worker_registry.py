@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvflow.schemas import WorkerHeartbeat, WorkerRole, now_ms
+from kvflow.schemas import GENERATION_ROLES, IMAGE_ROLES, WorkerHeartbeat, WorkerRole, now_ms
 from kvflow.streams.workers import Workers, WorkerView
 
 __all__ = ["ModelState", "WorkerRegistry"]
@@ -73,11 +73,16 @@ class WorkerRegistry:
             return None
         return self.workers.lora_base(name)
 
-    def model_state(self, model: str, *, embedding: bool = False) -> ModelState:
+    def model_state(self, model: str, *, embedding: bool = False, image: bool = False) -> ModelState:
         """See :class:`ModelState`; ``serving`` counts generation workers, or
-        embedding workers with ``embedding``."""
-        if any(w.model == model and (w.role is WorkerRole.embedding if embedding else w.role.generates)
-               for w in self.live_workers()):
+        embedding workers with ``embedding``, or with ``image`` a live worker
+        of each image stage (conditioning and diffusion)."""
+        live = [w for w in self.live_workers() if w.model == model]
+        if image:
+            serving = {w.role for w in live} >= IMAGE_ROLES
+        else:
+            serving = any(w.role is WorkerRole.embedding if embedding else w.role in GENERATION_ROLES for w in live)
+        if serving:
             return ModelState.serving
         return ModelState.unavailable if model in self.models_seen else ModelState.unknown
 
@@ -95,9 +100,24 @@ class WorkerRegistry:
                 return w.media_tokens
         return None
 
+    def image_only(self, model: str) -> bool:
+        """Whether ``model`` is served, by image stage workers only (no text generation)."""
+        roles = {w.role for w in self.live_workers() if w.model == model}
+        return bool(roles) and roles <= IMAGE_ROLES
+
     def embedding_workers(self, model: str) -> list[WorkerView]:
         """Live embedding workers of ``model``, sorted by id."""
         return [w for w in self.live_workers() if w.model == model and w.role is WorkerRole.embedding]
+
+    def stage_workers(self, model: str, role: WorkerRole) -> list[WorkerView]:
+        """Live workers of ``model`` in image stage ``role``, sorted by id."""
+        return [w for w in self.live_workers() if w.model == model and w.role is role]
+
+    def image_models(self) -> list[str]:
+        """Models with a live worker in every image stage, sorted."""
+        live = self.live_workers()
+        return sorted(m for m in {w.model for w in live}
+                      if {w.role for w in live if w.model == m} >= IMAGE_ROLES)
 
     def tokenizer_spec(self, model: str) -> str | None:
         """The tokenizer spec advertised by ``model``'s live generation workers
