@@ -99,6 +99,14 @@ def test_scale_down_goes_to_highest_need_of_the_hold_run(perf):
     assert [h[1][D] for h in hist] == [7, 7, 7, 5]
 
 
+def test_scale_down_window_slides_so_a_burst_pool_falls_in_one_hold(perf):
+    # needs after the burst: decode 7 -> 6, 3, 2, 2 (rates 45, 20, 10, 10); hold 3:
+    # the third lower tick steps to max(6, 3, 2) = 6, the next to max(3, 2, 2) = 3, without a new full hold
+    _, hist = run(initial_state(cfg(), perf), [50, 45, 20, 10, 10, 10])
+    assert [h[1][D] for h in hist] == [7, 7, 7, 6, 3, 2]
+    assert "highest need of the last 3 intervals" in hist[4][0].decisions[1].reason
+
+
 def test_noise_does_not_flap(perf):
     # decode need alternates 2 (14 req/s -> 1.75) and 3 (17 req/s -> 2.125)
     _, hist = run(initial_state(cfg(), perf), [14, 17] * 10)

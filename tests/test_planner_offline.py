@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvflow.planner.core import PlannerConfig
+from kvflow.planner.core import PlannerConfig, Prediction, initial_state, pool_needs
 from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.queries import interval_aggregates
 from kvflow.replay.offline import run_offline
@@ -28,11 +28,13 @@ from kvflow.replay.planner_eval import (
     replica_steps,
     run_with_planner,
     smallest_static_pool,
+    warm_start_replicas,
     worker_lifetimes,
 )
 from kvflow.replay.report import RequestRecord, load_report, meets_sla
 from kvflow.replay.simulator import SimConfig, Simulation, simulate
-from kvflow.replay.traces import TraceRequest, read_trace
+from kvflow.replay.traces import Trace, TraceRequest, read_trace
+from kvflow.schemas import WorkerRole
 from kvflow.schemas.metrics import RequestMetrics
 from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -102,6 +104,15 @@ def test_scales_up_on_a_burst_and_back_down_after_it(perf):
         serving = [s.serving for s in steps if s.t_s <= t.t_s][-1]
         assert serving == t.target_replicas
     assert all(r.ok and r.output_tokens == OSL for r in run.result.records)  # nothing lost to scaling
+
+
+def test_warm_start_sizes_the_first_interval_as_the_planner_would(perf):
+    cfg = planner_config()
+    busy = Trace("t", "", "synthetic", phases((0, 10, 20.0), (10, 60, 1.0)))  # the first 10 s interval: 200 requests
+    need = pool_needs(initial_state(cfg, perf), Prediction(20.0, ISL, OSL, 0.0))[WorkerRole.aggregated][0]
+    assert warm_start_replicas(busy, cfg, perf) == math.ceil(need) > 1
+    assert warm_start_replicas(Trace("t", "", "synthetic", phases((20, 30, 1.0))), cfg, perf) == 1  # idle: the minimum
+    assert warm_start_replicas(busy, planner_config(max_gpus=2), perf) == 2  # capped
 
 
 def test_scaling_changes_the_outcome(perf):

@@ -41,7 +41,11 @@ Per tick, for each pool:
    at once to the need without corrections, and beyond it by at most
    ``max_scale_up_factor`` per tick; scale **down** only after the need stayed below the current
    target for ``scale_down_hold_intervals`` consecutive ticks, then to the
-   highest need seen in that run. Finally fit the GPU budget
+   highest need of the last ``scale_down_hold_intervals`` ticks; while the
+   need stays below, every later tick steps down again to the highest need
+   of its own last ``scale_down_hold_intervals`` ticks (a sliding window, as
+   the Kubernetes HPA's scale-down stabilization window), so a pool falls
+   from a burst's size to the quiet need in one hold, not one hold per step. Finally fit the GPU budget
    (``max_gpus``, each replica costing ``<pool>_gpus_per_replica``): while over
    budget, remove one replica from the pool that keeps the largest share of
    its target (never below its minimum).
@@ -148,6 +152,12 @@ class PlannerConfig:
             target, observed TTFT/ITL above target) any excess scales up.
             Defaults to 1.5: Poisson noise over 5 s at a few requests/s
             stays below it.
+        reactive_step_window_s: the fast path also reads the arrival rate
+            of the window's last this many seconds (0: only the whole
+            window), as a lower bound of the Poisson rate behind that count
+            (:func:`kvflow.planner.reactive.step_rate_lower_bound`), so a
+            step of several times the rate is sized within these seconds
+            and noise is not. Defaults to 2.
     """
 
     ttft_ms: float = 500.0
@@ -174,6 +184,7 @@ class PlannerConfig:
     worker_startup_s: float = 0.0
     reactive_window_s: float = 5.0
     reactive_jump: float = 1.5
+    reactive_step_window_s: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlannerMode(self.mode))
@@ -198,6 +209,8 @@ class PlannerConfig:
             problems.append(f"ttft_statistic and itl_statistic must be one of {LATENCY_STATISTICS}")
         if self.worker_startup_s < 0 or self.reactive_window_s <= 0 or self.reactive_jump < 1:
             problems.append("need worker_startup_s >= 0, reactive_window_s > 0 and reactive_jump >= 1")
+        if not 0 <= self.reactive_step_window_s <= self.reactive_window_s:
+            problems.append("need 0 <= reactive_step_window_s <= reactive_window_s")
         if self.aggregated_sizing not in ("max", "sum"):
             problems.append("aggregated_sizing must be 'max' or 'sum'")
         floor_gpus = sum(self.min_replicas(p) * self.gpus_per_replica(p) for p in self.pools)
@@ -532,11 +545,16 @@ def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
         return step, (), f"scale up {previous} -> {step}{capped}"
     if need == previous:
         return need, (), f"hold at {need}"
-    run = run + (need,)
-    if len(run) >= cfg.scale_down_hold_intervals:
+    hold = cfg.scale_down_hold_intervals
+    run = (run + (need,))[-hold:]
+    if len(run) >= hold:
+        # The window slides: each later tick below target steps down again to the
+        # highest need of the last ``hold`` ticks, without waiting a new full hold.
         target = max(run)
-        return target, (), f"scale down {previous} -> {target} after {len(run)} intervals below"
-    return previous, run, f"hold at {previous}: need {need} for {len(run)}/{cfg.scale_down_hold_intervals} intervals"
+        if target < previous:
+            return target, run, f"scale down {previous} -> {target}: highest need of the last {hold} intervals"
+        return previous, run, f"hold at {previous}: highest need of the last {hold} intervals is {target}"
+    return previous, run, f"hold at {previous}: need {need} for {len(run)}/{hold} intervals"
 
 
 def fit_budget(cfg: PlannerConfig, targets: dict[WorkerRole, int]) -> dict[WorkerRole, int]:

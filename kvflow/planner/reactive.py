@@ -9,7 +9,12 @@ ever scales **up**:
 1. **Demand.** The arrival rate and mean ISL/OSL of the last
    ``reactive_window_s`` seconds, sized exactly as the interval path sizes
    its forecast (:func:`~kvflow.planner.core.pool_needs`, with the current
-   correction factors).
+   correction factors). The rate is the higher of the whole window's and
+   a lower bound of that of its last ``reactive_step_window_s`` seconds
+   (:func:`step_rate_lower_bound`): right after a step the whole window
+   still averages in the seconds before it, and the pool would climb to the
+   new rate in several checks instead of one; the bound keeps the Poisson
+   noise of a few seconds' count from scaling up.
 2. **Pressure.** Any of: a request has waited longer than the TTFT target
    without its first token; the waiting prefill tokens exceed what the
    serving replicas compute within one TTFT target at the profile's peak
@@ -44,7 +49,7 @@ from kvflow.planner.core import (
 from kvflow.planner.core import pool_needs as _pool_needs
 from kvflow.schemas.workers import WorkerRole
 
-__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS"]
+__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS", "STEP_Z", "step_rate_lower_bound"]
 
 MIN_TAIL_REQUESTS = 50
 """Finished requests a window needs before its p99 TTFT/ITL count as pressure."""
@@ -58,6 +63,9 @@ class LiveSignals:
         now_ms: epoch (or simulated) ms.
         window_s: the window the arrival figures cover, s.
         arrivals: requests that arrived in the window.
+        step_window_s / step_arrivals: the window's last seconds and the
+            requests that arrived in them (``step_window_s`` None: not
+            measured; only the whole window counts).
         mean_isl / mean_osl: their mean prompt / requested output tokens
             (None without arrivals).
         waiting_requests: requests accepted and not yet in an engine step
@@ -76,6 +84,8 @@ class LiveSignals:
     now_ms: int
     window_s: float
     arrivals: int
+    step_window_s: float | None = None
+    step_arrivals: int = 0
     mean_isl: float | None = None
     mean_osl: float | None = None
     waiting_requests: int = 0
@@ -88,6 +98,28 @@ class LiveSignals:
     ready_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     last_scale_up_ms: int | None = None
     startup_s: float | None = None
+
+
+STEP_Z = 1.0
+"""Standard deviations below a short window's count that :func:`step_rate_lower_bound` takes."""
+
+
+def step_rate_lower_bound(arrivals: int, window_s: float, z: float = STEP_Z) -> float:
+    """A lower bound of the arrival rate (requests/s) behind ``arrivals`` counted over ``window_s`` s.
+
+    Arrivals over a short window are a Poisson count ``k`` of mean ``rate *
+    window_s`` and standard deviation about ``sqrt(k)``; ``(k - z sqrt(k)) /
+    window_s`` (normal approximation; ``z`` = 1, about the 16% quantile)
+    rarely exceeds the true rate, so noise alone seldom looks like a step,
+    while a real step of several times the rate shows within the window
+    (a step to 32 requests/s counted over 2 s: 64 arrivals, bound 24 requests/s).
+
+    Raises:
+        ValueError: ``window_s <= 0``.
+    """
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    return max(0.0, arrivals - z * math.sqrt(arrivals)) / window_s
 
 
 def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | None:
@@ -122,7 +154,10 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
     """
     cfg = state.config
     if sig.arrivals > 0 and sig.mean_isl and sig.mean_osl and sig.window_s > 0:
-        pred = Prediction(request_rate_per_s=sig.arrivals / sig.window_s, isl=sig.mean_isl, osl=sig.mean_osl,
+        rate = sig.arrivals / sig.window_s
+        if sig.step_window_s:
+            rate = max(rate, step_rate_lower_bound(sig.step_arrivals, sig.step_window_s))
+        pred = Prediction(request_rate_per_s=rate, isl=sig.mean_isl, osl=sig.mean_osl,
                           kv_hit_rate=state.kv_hit_rate)
         needs = _pool_needs(state, pred)
     else:
@@ -138,8 +173,9 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
         why = _pressure(state, sig, pool)
         if need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
             raised[pool] = need
-            notes[pool] = (f"reactive scale up {target} -> {need}: {sig.arrivals} arrivals in "
-                           f"{sig.window_s:g} s need {needs[pool][0]:.2f}"
+            notes[pool] = (f"reactive scale up {target} -> {need}: {pred.request_rate_per_s:.1f} req/s "
+                           f"({sig.arrivals} in {sig.window_s:g} s, {sig.step_arrivals} in the last "
+                           f"{sig.step_window_s or 0:g} s) need {needs[pool][0]:.2f}"
                            + (f"; {why}" if why else f" >= {cfg.reactive_jump:g} x {target}")
                            + f" ({needs[pool][1]})")
         elif why is not None and need <= target and (
