@@ -143,6 +143,16 @@ def test_minimums_hold_without_traffic(perf):
     assert fx.prediction.isl is None and all(d.point is None for d in fx.decisions)
 
 
+def test_a_pool_at_zero_is_not_left_at_zero_while_requests_wait(perf):
+    state = initial_state(cfg(min_prefill_replicas=0, min_decode_replicas=0), perf)
+    state, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(0), current_replicas={P: 0, D: 0}))
+    assert (fx.target(P), fx.target(D)) == (0, 0)  # idle: scaled to zero
+    _, fx = on_tick(state, TickInput(now_ms=2, traffic=traffic(0), current_replicas={P: 0, D: 0}, waiting_requests=3))
+    # held requests need a decode replica (prefill can run on it); nothing finished yet to size more
+    assert (fx.target(P), fx.target(D)) == (0, 1)
+    assert "3 requests wait: at least 1 replica" in fx.decisions[1].reason
+
+
 def test_initial_overprovisioning_is_held_before_scaling_down(perf):
     _, hist = run(initial_state(cfg(), perf), [10, 10, 10], current={P: 5, D: 5})
     assert [h[1] for h in hist] == [{P: 5, D: 5}, {P: 5, D: 5}, {P: 1, D: 2}]

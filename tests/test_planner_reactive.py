@@ -77,7 +77,29 @@ def test_pressure_without_more_demand_adds_one_replica_per_start_up_time(perf): 
     assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
                                      last_scale_up_ms=90_000))[1] is None
     assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
-                                     last_scale_up_ms=60_000))[1].target(A) == 5
+                                     last_scale_up_ms=65_000))[1].target(A) == 5
+
+
+def test_a_pool_at_zero_starts_a_replica_for_the_first_held_request(perf):  # noqa: F811
+    state = state_at(perf, 0, min_aggregated_replicas=0)
+    idle = LiveSignals(now_ms=100_000, window_s=5.0, arrivals=0, current_replicas={A: 0}, ready_replicas={A: 0})
+    assert on_signals(state, idle)[1] is None  # nothing waits: stay at zero
+    new, effects = on_signals(state, dataclasses.replace(idle, waiting_requests=1, oldest_wait_ms=20.0))
+    assert effects.target(A) == 1 and new.targets[A] == 1  # at once, not after the TTFT target passed
+    assert "cold start 0 -> 1: 1 requests wait with no replica" in effects.decisions[0].reason
+    # arrivals already known size it in full
+    _, effects = on_signals(state, signals(24.0, 0, waiting_requests=5))
+    assert effects.target(A) == 3
+
+
+def test_pressure_waits_for_a_starting_replica_to_serve(perf):  # noqa: F811
+    state = state_at(perf, 4)
+    late = dict(oldest_wait_ms=900.0, last_scale_up_ms=60_000)
+    starting = dataclasses.replace(signals(8.0, 4, **late), ready_replicas={A: 3})
+    assert on_signals(state, starting)[1] is None  # a replica still starts: its backlog is no new need
+    assert on_signals(state, signals(8.0, 4, **late))[1].target(A) == 5
+    # 36 s after the last step: start-up (30 s) plus one window (5 s) passed
+    assert on_signals(state, signals(8.0, 4, oldest_wait_ms=900.0, last_scale_up_ms=66_000))[1] is None
 
 
 def test_the_fast_path_never_scales_down_and_respects_the_budget(perf):  # noqa: F811

@@ -282,6 +282,11 @@ class TickInput:
     the replicas that served.
     ``startup_s``: measured seconds from a scale-up to the new replica
     serving (None: :attr:`PlannerConfig.worker_startup_s`).
+    ``waiting_requests``: requests accepted and not yet served (held by the
+    router, e.g. for a pool at zero): demand no finished request shows
+    yet. While any wait, a pool that serves whole requests (aggregated, or
+    decode) is not sized below one replica, so a pool scaled to zero is not
+    scaled down again before its first worker serves them.
     """
 
     now_ms: int
@@ -289,6 +294,7 @@ class TickInput:
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     serving_replicas: Mapping[WorkerRole, float] | None = None
     startup_s: float | None = None
+    waiting_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -599,15 +605,20 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
     notes: dict[WorkerRole, str] = {}
     for pool in cfg.pools:
         current = int(tick.current_replicas.get(pool, 0))
-        raw[pool] = max(cfg.min_replicas(pool), _ceil(needs[pool].replicas))
+        floor = cfg.min_replicas(pool)
+        if tick.waiting_requests > 0 and pool in (WorkerRole.aggregated, WorkerRole.decode):
+            floor = max(floor, 1)
+        raw[pool] = max(floor, _ceil(needs[pool].replicas))
         previous = state.targets.get(pool, current)
-        demand = max(cfg.min_replicas(pool), _ceil(uncorrected[pool].replicas))
+        demand = max(floor, _ceil(uncorrected[pool].replicas))
         held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()), demand)
     targets = fit_budget(cfg, held)
 
     decisions = []
     for pool in cfg.pools:
         reason = f"{pool.value}: {notes[pool]}; need {needs[pool].replicas:.2f} -> {raw[pool]} ({needs[pool].note})"
+        if raw[pool] > max(cfg.min_replicas(pool), _ceil(needs[pool].replicas)):
+            reason += f"; {tick.waiting_requests} requests wait: at least 1 replica (cold start)"
         if targets[pool] != held[pool]:
             reason += f"; GPU budget {cfg.max_gpus} caps {held[pool]} -> {targets[pool]}"
         decisions.append(PoolDecision(

@@ -26,7 +26,16 @@ ever scales **up**:
    target and there is pressure, or when it reaches ``reactive_jump`` times
    the target (a step in arrivals shows before any queue builds).
    With pressure but no demand excess (longer prompts than the profile
-   assumed, a slow replica), add one replica, at most once per start-up time.
+   assumed, a slow replica), add one replica, only while none is starting
+   and at most once per start-up time plus one window (the last replica
+   added must have served for a window before its effect can show: a
+   backlog built while it started does not by itself call for another).
+   **Cold start**: a pool scaled to zero (``min_*_replicas = 0``) that
+   serves whole requests (aggregated, or decode in disaggregated mode)
+   starts at least one replica as soon as any request waits
+   (``waiting_requests``: the router holds requests for a model no worker
+   serves, ``ShedConfig.cold_start_hold_ms``), without waiting for the
+   TTFT target to pass.
 
 Scaling down stays with the interval path: its hold
 (``scale_down_hold_intervals``) restarts whenever the fast path scales up,
@@ -69,7 +78,8 @@ class LiveSignals:
         mean_isl / mean_osl: their mean prompt / requested output tokens
             (None without arrivals).
         waiting_requests: requests accepted and not yet in an engine step
-            (router queue plus engines' waiting queues).
+            (router queue, including requests held for a cold start, plus
+            engines' waiting queues).
         waiting_prefill_tokens: prompt tokens accepted and not yet computed.
         oldest_wait_ms: age of the oldest request still without its first token, ms.
         p99_ttft_ms / p99_itl_ms: of requests finished in the window (None: none finished).
@@ -77,7 +87,7 @@ class LiveSignals:
         current_replicas: replicas per pool, including starting ones.
         ready_replicas: replicas per pool that serve now.
         last_scale_up_ms: when the fast path last scaled up (None: never),
-            so a pressure-only step waits for its replica to start.
+            so a pressure-only step waits for its replica to start and serve.
         startup_s: measured start-up time (None: the configured one).
     """
 
@@ -99,6 +109,8 @@ class LiveSignals:
     last_scale_up_ms: int | None = None
     startup_s: float | None = None
 
+
+_SERVING_ROLES = (WorkerRole.aggregated, WorkerRole.decode)  # pools a request cannot be served without
 
 STEP_Z = 1.0
 """Standard deviations below a short window's count that :func:`step_rate_lower_bound` takes."""
@@ -171,16 +183,20 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
         target = max(current, state.targets.get(pool, current))
         need = max(cfg.min_replicas(pool), math.ceil(needs[pool][0] - 1e-9))
         why = _pressure(state, sig, pool)
-        if need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
+        if target == 0 and sig.waiting_requests > 0 and pool in _SERVING_ROLES:
+            raised[pool] = max(1, need)
+            notes[pool] = (f"reactive cold start 0 -> {raised[pool]}: {sig.waiting_requests} requests wait "
+                           f"with no replica (demand needs {needs[pool][0]:.2f})")
+        elif need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
             raised[pool] = need
             notes[pool] = (f"reactive scale up {target} -> {need}: {pred.request_rate_per_s:.1f} req/s "
                            f"({sig.arrivals} in {sig.window_s:g} s, {sig.step_arrivals} in the last "
                            f"{sig.step_window_s or 0:g} s) need {needs[pool][0]:.2f}"
                            + (f"; {why}" if why else f" >= {cfg.reactive_jump:g} x {target}")
                            + f" ({needs[pool][1]})")
-        elif why is not None and need <= target and (
-                sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= max(startup_ms, 1000.0 *
-                                                                                         sig.window_s)):
+        elif why is not None and need <= target and sig.ready_replicas.get(pool, 0) >= current and (
+                sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= startup_ms + 1000.0 *
+                sig.window_s):
             raised[pool] = target + 1
             notes[pool] = f"reactive scale up {target} -> {target + 1}: {why} (demand needs {needs[pool][0]:.2f})"
     if not raised:

@@ -63,6 +63,7 @@ from kvflow.cli_options import (
     ShedKvThresholdOpt,
     ShedModeOpt,
     ShedPrefillTokenThresholdOpt,
+    ShedColdStartHoldOpt,
     ShedQueueCapacityOpt,
     ShedQueueOrderOpt,
     StateFileOpt,
@@ -121,6 +122,7 @@ def replay(
     shed_queue_order: ShedQueueOrderOpt = None,
     shed_kv_threshold: ShedKvThresholdOpt = None,
     shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
+    shed_cold_start_hold_s: ShedColdStartHoldOpt = None,
     pool_workers: Annotated[Optional[str], typer.Option(
         help="offline: simulated aggregated workers per worker pool, NAME=N[,NAME=N...] (beside --workers, "
              "which join the default pool); the report gives each pool's figures")] = None,
@@ -165,7 +167,9 @@ def replay(
         min=0, help="offline: simulated seconds a worker the planner starts needs before it takes requests")] = 0.0,
     scale_down_hold_intervals: Annotated[int, typer.Option(
         min=1, help="planner: intervals a lower need must last before scaling down")] = 3,
-    min_workers: Annotated[int, typer.Option(min=1, help="planner: fewest workers")] = 1,
+    min_workers: Annotated[int, typer.Option(
+        min=0, help="planner: fewest workers (0: scale to zero; with --shed-mode queue --shed-cold-start-hold-s)")
+    ] = 1,
     max_workers: Annotated[int, typer.Option(min=1, help="planner: most workers (and static-peak search cap)")] = 16,
     sla_target: Annotated[float, typer.Option(help="planner: SLA attainment the static-peak pool must reach")] = 0.99,
     profile_kind: Annotated[str, typer.Option(
@@ -244,7 +248,8 @@ def replay(
                   if v is not None}
     shedding = {k: v for k, v in (("shed_mode", shed_mode), ("shed_queue_capacity", shed_queue_capacity),
                                   ("shed_queue_order", shed_queue_order), ("shed_kv_threshold", shed_kv_threshold),
-                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold)) if v is not None}
+                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold),
+                                  ("shed_cold_start_hold_s", shed_cold_start_hold_s)) if v is not None}
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig

@@ -303,7 +303,8 @@ class SlaPlannerHook:
         ready = sum(samples) / len(samples)
         self.state, effects = on_tick(self.state, TickInput(
             now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)},
-            serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms)))
+            serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms),
+            waiting_requests=len(sim.core.queue) if sim.core.queue is not None else 0))
         decision = effects.decisions[0]
         self._apply(sim, serving, decision.target_replicas, now_ms)
         self._window_start_ms = t1
