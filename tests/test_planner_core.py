@@ -153,6 +153,24 @@ def test_a_pool_at_zero_is_not_left_at_zero_while_requests_wait(perf):
     assert "3 requests wait: at least 1 replica" in fx.decisions[1].reason
 
 
+def test_the_prefill_pool_is_sized_from_its_own_requests(perf):
+    # decode serves 10 req/s (2000 out tok/s -> 2 replicas); only 4 req/s of 2000-token prompts were
+    # prefilled remotely: 8000 tok/s, at 2000 tokens 10000 tok/s per replica meet TTFT 300 ms -> 1 replica
+    tick = TickInput(now_ms=1, traffic=traffic(10, isl=1000), current_replicas={P: 1, D: 2},
+                     prefill_traffic=traffic(4, isl=2000))
+    state, fx = on_tick(initial_state(cfg(), perf), tick)
+    assert fx.target(D) == 2 and fx.target(P) == 1
+    assert "4.00 req/s x 2000 new tok = 8000 tok/s" in fx.decisions[0].reason
+    assert state.prefill_predictors.rate.history[-1] == pytest.approx(4.0)
+    assert state.predictors.rate.history[-1] == pytest.approx(10.0)
+    # the prefill pool's own burst scales prefill alone
+    _, fx = on_tick(state, TickInput(now_ms=2, traffic=traffic(10, isl=1000), current_replicas={P: 1, D: 2},
+                                     prefill_traffic=traffic(30, isl=2000)))
+    assert (fx.target(P), fx.target(D)) == (6, 2)  # 60000 tok/s / 10000
+    with pytest.raises(ValueError, match="disaggregated mode only"):
+        on_tick(initial_state(cfg(mode="aggregated"), perf), tick)
+
+
 def test_initial_overprovisioning_is_held_before_scaling_down(perf):
     _, hist = run(initial_state(cfg(), perf), [10, 10, 10], current={P: 5, D: 5})
     assert [h[1] for h in hist] == [{P: 5, D: 5}, {P: 5, D: 5}, {P: 1, D: 2}]

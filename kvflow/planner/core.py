@@ -37,6 +37,11 @@ Per tick, for each pool:
      ``"sum"`` takes ``ceil(prefill need + decode need)``: the upper bound,
      when a replica's time is strictly shared between the two phases.
 
+   In disaggregated mode the prefill pool may see other requests than the
+   decode pool (:attr:`TickInput.prefill_traffic`: remote prefills only, or
+   the requests a pool grid sends there): it is then observed, corrected and
+   forecast from its own requests, with its own predictors.
+
 4. **Bound.** Raise to the pool's minimum; apply anti-flapping: scale **up**
    at once to the need without corrections, and beyond it by at most
    ``max_scale_up_factor`` per tick; scale **down** only after the need stayed below the current
@@ -287,6 +292,13 @@ class TickInput:
     yet. While any wait, a pool that serves whole requests (aggregated, or
     decode) is not sized below one replica, so a pool scaled to zero is not
     scaled down again before its first worker serves them.
+    ``prefill_traffic``: disaggregated mode only: the interval's requests
+    whose prompt the prefill pool computed (remote prefills), when they
+    differ from ``traffic`` (the requests the decode pool served, which
+    then sizes decode only). A pool of a global router's grid
+    (:mod:`kvflow.router.pools`) prefills some requests another pool
+    decodes, and with conditional disaggregation short prompts never reach
+    the prefill pool. None: ``traffic`` sizes both.
     """
 
     now_ms: int
@@ -295,6 +307,7 @@ class TickInput:
     serving_replicas: Mapping[WorkerRole, float] | None = None
     startup_s: float | None = None
     waiting_requests: int = 0
+    prefill_traffic: TrafficObservation | None = None
 
 
 @dataclass(frozen=True)
@@ -372,7 +385,9 @@ class PlannerState:
     """Everything the core carries between ticks (treat as immutable).
 
     ``targets``: last target per pool (absent before the first tick);
-    ``down_runs``: needs below target seen on consecutive ticks, per pool.
+    ``down_runs``: needs below target seen on consecutive ticks, per pool;
+    ``prefill_predictors``: the prefill pool's own load predictors, once a
+    tick gave :attr:`TickInput.prefill_traffic` (None before).
     """
 
     config: PlannerConfig
@@ -384,6 +399,7 @@ class PlannerState:
     decode_correction: float = 1.0
     kv_hit_rate: float = 0.0
     num_ticks: int = 0
+    prefill_predictors: LoadPredictors | None = None
 
 
 def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
@@ -392,9 +408,13 @@ def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
     Raises:
         ImportError: ``config.predictor`` is ``"prophet"`` without the optional package.
     """
+    return PlannerState(config=config, perf=perf, predictors=_new_predictors(config))
+
+
+def _new_predictors(config: PlannerConfig) -> LoadPredictors:
     def new() -> LoadPredictor:
         return make_predictor(config.predictor, **dict(config.predictor_kwargs))
-    return PlannerState(config=config, perf=perf, predictors=LoadPredictors(new(), new(), new()))
+    return LoadPredictors(new(), new(), new())
 
 
 def _ceil(x: float) -> int:
@@ -433,11 +453,20 @@ def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float
 
 
 def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:
-    """Prefill (TTFT) and decode (ITL) correction factors from the interval just served."""
-    cfg, perf, t = state.config, state.perf, tick.traffic
+    """Prefill (TTFT) and decode (ITL) correction factors from the interval just served
+    (each from its own pool's requests when :attr:`TickInput.prefill_traffic` is given)."""
+    if tick.prefill_traffic is None:
+        return _corrections_from(state, tick, tick.traffic, tick.traffic, hit_rate)
+    p_corr, _ = _corrections_from(state, tick, tick.prefill_traffic, None, hit_rate)
+    _, d_corr = _corrections_from(state, tick, None, tick.traffic, state.kv_hit_rate)
+    return p_corr, d_corr
+
+
+def _corrections_from(state: PlannerState, tick: TickInput, pt: TrafficObservation | None,
+                      dt: TrafficObservation | None, hit_rate: float) -> tuple[float, float]:
+    """Correction factors from prefill traffic ``pt`` and decode traffic ``dt`` (None: keep that factor)."""
+    cfg, perf = state.config, state.perf
     p_corr, d_corr = state.prefill_correction, state.decode_correction
-    if t.num_requests == 0 or not t.mean_isl:
-        return p_corr, d_corr
     agg = cfg.mode is PlannerMode.aggregated
     served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
     p_pool, d_pool = (WorkerRole.aggregated, WorkerRole.aggregated) if agg else (WorkerRole.prefill, WorkerRole.decode)
@@ -446,14 +475,16 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
         n_p = 0  # many replicas were starting: keep the correction (see TickInput)
     if n_d < _STARTING_SHARE * tick.current_replicas.get(d_pool, 0):
         n_d = 0
-    rate = t.request_rate_per_s
-    eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
-    ttft = t.p99_ttft_ms if cfg.ttft_statistic == "p99" else t.mean_ttft_ms
-    itl = t.p99_itl_ms if cfg.itl_statistic == "p99" else t.mean_itl_ms
-    if ttft is not None and n_p > 0:
-        p_corr = _correction(perf.prefill, eff_isl, rate * eff_isl / n_p, ttft, p_corr, cfg)
-    if itl is not None and t.mean_osl and n_d > 0:
-        d_corr = _correction(perf.decode, t.mean_isl + t.mean_osl / 2, rate * t.mean_osl / n_d, itl, d_corr, cfg)
+    if pt is not None and pt.num_requests > 0 and pt.mean_isl and n_p > 0:
+        eff_isl = max(1.0, pt.mean_isl * (1.0 - hit_rate))
+        ttft = pt.p99_ttft_ms if cfg.ttft_statistic == "p99" else pt.mean_ttft_ms
+        if ttft is not None:
+            p_corr = _correction(perf.prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p, ttft, p_corr, cfg)
+    if dt is not None and dt.num_requests > 0 and dt.mean_isl and dt.mean_osl and n_d > 0:
+        itl = dt.p99_itl_ms if cfg.itl_statistic == "p99" else dt.mean_itl_ms
+        if itl is not None:
+            d_corr = _correction(perf.decode, dt.mean_isl + dt.mean_osl / 2, dt.request_rate_per_s * dt.mean_osl / n_d,
+                                 itl, d_corr, cfg)
     return p_corr, d_corr
 
 
@@ -480,8 +511,14 @@ class _Need:
     note: str
 
 
-def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: float) -> tuple[_Need, _Need]:
-    """Fractional prefill and decode replicas for the predicted load."""
+def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: float,
+                 p_pred: Prediction | None = None) -> tuple[_Need, _Need]:
+    """Fractional prefill and decode replicas for the predicted load (``p_pred``: the
+    prefill pool's own, when it differs from ``pred``)."""
+    if p_pred is not None:
+        if p_pred.osl is None and p_pred.isl is not None:
+            p_pred = replace(p_pred, osl=1.0)  # prefill sizing reads no output length
+        return _phase_needs(state, p_pred, p_corr, d_corr)[0], _phase_needs(state, pred, p_corr, d_corr)[1]
     cfg, perf = state.config, state.perf
     if pred.request_rate_per_s <= 0 or pred.isl is None or pred.osl is None:
         idle = _Need(0.0, 0.0, None, "no predicted load")
@@ -591,13 +628,23 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         ValueError: the profile has no feasible point at the predicted lengths.
     """
     cfg = state.config
+    if tick.prefill_traffic is not None and cfg.mode is not PlannerMode.disaggregated:
+        raise ValueError("prefill_traffic sizes a prefill pool: disaggregated mode only")
     preds = copy.deepcopy(state.predictors)
     _observe(preds, tick.traffic)
-    hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
+    steps = lead_steps(cfg, tick.startup_s)
+    p_preds, p_pred = state.prefill_predictors, None
+    if tick.prefill_traffic is not None:
+        p_preds = copy.deepcopy(p_preds) if p_preds is not None else _new_predictors(cfg)
+        _observe(p_preds, tick.prefill_traffic)
+        hit_rate = _hit_rate(tick.prefill_traffic, state.kv_hit_rate)
+        p_pred = _predict(p_preds, hit_rate, steps)
+    else:
+        hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
     p_corr, d_corr = _corrections(state, tick, hit_rate)
-    pred = _predict(preds, hit_rate, lead_steps(cfg, tick.startup_s))
-    needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr))
-    uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0))
+    pred = _predict(preds, hit_rate, steps)
+    needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr, p_pred))
+    uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0, p_pred))
 
     raw: dict[WorkerRole, int] = {}
     held: dict[WorkerRole, int] = {}
@@ -627,7 +674,8 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
             point=needs[pool].point, reason=reason))
 
     new_state = replace(state, predictors=preds, targets=targets, down_runs=runs, prefill_correction=p_corr,
-                        decode_correction=d_corr, kv_hit_rate=hit_rate, num_ticks=state.num_ticks + 1)
+                        decode_correction=d_corr, kv_hit_rate=hit_rate, num_ticks=state.num_ticks + 1,
+                        prefill_predictors=p_preds)
     effects = PlannerEffects(
         now_ms=tick.now_ms, next_tick_ms=tick.now_ms + int(cfg.adjustment_interval_s * 1000),
         decisions=tuple(decisions), prediction=pred, prefill_correction=p_corr, decode_correction=d_corr)
@@ -635,23 +683,26 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
 
 
 def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True,
-                     shadow: bool = False) -> list[ScalingCommand]:
+                     shadow: bool = False, worker_pool: str = "") -> list[ScalingCommand]:
     """Scaling records for a tick's decisions.
 
-    ``decision_id`` is ``"<now_ms>-<pool>"``: deterministic, so a replayed or
-    re-published tick yields the same ids and connectors (which apply each id
-    at most once) ignore the duplicates, while every tick gets new ids.
+    ``decision_id`` is ``"<now_ms>-<pool>"`` (``"<now_ms>-<worker_pool>-<pool>"``
+    for a named worker pool): deterministic, so a replayed or re-published
+    tick yields the same ids and connectors (which apply each id at most
+    once) ignore the duplicates, while every tick gets new ids.
 
     Args:
         effects: the tick's effects.
         only_changed: emit only pools whose target differs from what runs now.
         shadow: mark the records advisory (:attr:`ScalingCommand.shadow`):
             connectors log them and act on none.
+        worker_pool: the worker pool these effects size (:attr:`ScalingCommand.worker_pool`).
     """
+    prefix = f"{effects.now_ms}-{worker_pool}-" if worker_pool else f"{effects.now_ms}-"
     return [
-        ScalingCommand(decision_id=f"{effects.now_ms}-{d.pool.value}", pool=d.pool,
+        ScalingCommand(decision_id=f"{prefix}{d.pool.value}", pool=d.pool,
                        target_replicas=d.target_replicas, current_replicas=d.current_replicas,
-                       reason=d.reason, ts_ms=effects.now_ms, shadow=shadow)
+                       reason=d.reason, ts_ms=effects.now_ms, shadow=shadow, worker_pool=worker_pool)
         for d in effects.decisions
         if d.changed or not only_changed
     ]

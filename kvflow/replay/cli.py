@@ -277,7 +277,8 @@ def replay(
                                     workers, sla_target, profile_kind, ttft_statistic=ttft_statistic,
                                     itl_statistic=itl_statistic,
                                     correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing,
-                                    worker_startup_s=worker_startup_s)
+                                    worker_startup_s=worker_startup_s,
+                                    pools=bool(pool_workers or prefill_workers or decode_workers))
             report = run_offline(trace, workers=workers, policy=settings.routing_policy, seed=seed, speedup=speedup,
                                  rate=rate, mocker_config=MockerConfig(
                                      speedup_ratio=speedup_ratio, kv_host_bytes=int(settings.kv_host_gb * (1 << 30)),
@@ -379,14 +380,16 @@ def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str
 
     Raises:
         ValueError: unknown planner or profile kind, ``--workers`` outside
-            ``[--min-workers, --max-workers]``, or invalid planner settings.
+            ``[--min-workers, --max-workers]`` (0 is fine beside worker pools or
+            prefill/decode workers, ``tuning["pools"]``), or invalid planner settings.
     """
     if planner == "none":
         return {}
     if planner != "sla":
         raise ValueError(f"--planner must be none or sla, not {planner!r}")
-    if not min_workers <= workers <= max_workers:
+    if not min_workers <= workers <= max_workers and not (workers == 0 and tuning.pop("pools", False)):
         raise ValueError(f"--workers {workers} (the starting pool) must lie in [{min_workers}, {max_workers}]")
+    tuning.pop("pools", None)
     from kvflow.planner.core import PlannerConfig, PlannerMode
 
     config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=interval_s,
