@@ -240,6 +240,16 @@ def test_a_cold_hold_ends_with_503_and_does_not_block_served_models():
     assert not core.queue and core.held(11_001) == (0, 0)
 
 
+def test_a_queue_full_of_cold_held_requests_sheds_when_the_workers_are_busy():
+    core = core_with("w0", shed=ShedConfig(mode="queue", cold_start_hold_ms=60_000, queue_capacity=2,
+                                           kv_threshold=0.5))
+    core.on_heartbeat(hb("w0", 1_000, used=80, seq=0))  # w0 busy
+    assert [core.route(arrival(f"x{i}", model="other"), 1_001).outcome for i in range(2)] == [
+        DecisionOutcome.queued] * 2  # the queue is full of requests for a model nobody serves
+    d = core.route(arrival("a"), 1_002)
+    assert d.outcome is DecisionOutcome.shed and d.error.code == "overloaded" and len(core.queue) == 2
+
+
 def test_a_cold_hold_needs_the_queue():
     with pytest.raises(ValueError, match="cold_start_hold_ms"):
         ShedConfig(cold_start_hold_ms=1_000)

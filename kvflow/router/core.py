@@ -475,6 +475,8 @@ class RouterCore:
         # Requests held for a cold start did not queue behind busy workers: an arrival does not wait for them.
         verdict = shed(candidates, cfg, queued=len(queue) - len(self._cold) if queue is not None else 0)
         action = verdict.action
+        if action is ShedAction.queue and len(queue) >= cfg.queue_capacity:
+            action = ShedAction.reject  # full of requests held for a cold start
         if not candidates and self.shed_config.cold_start_hold_ms is not None and queue is not None \
                 and len(queue) < self.shed_config.queue_capacity:
             self._hold(arrival, now_ms)
