@@ -15,6 +15,23 @@ documented Azure planner run) so that the traces need several replicas.
 A worker the planner starts serves ``--worker-startup-s`` simulated seconds
 later; the planner measures that delay from the workers it started (until
 the first one is ready it assumes the configured ``worker_startup_s``).
+Several comma-separated values run the whole evaluation once each; the
+default ``1,30`` is a mocker worker's measured start-up
+(``bench/worker_startup.py``: 0.9–1.1 s from spawn to serving) and a
+GPU-like 30 s.
+
+The planner starts from ``--initial-workers`` workers (default 2); ``warm``
+starts from the pool the planner core sizes for the first interval's load
+before it has learnt any correction
+(:func:`kvflow.replay.planner_eval.warm_start_replicas`).
+
+Worker pools (``--no-pools`` skips them): a two-pool trace, the step burst
+at half rate beside code traffic at a quarter rate, routed by a pool grid
+(context under 1,500 tokens: pool ``short``, mostly the step burst; longer:
+pool ``long``, mostly the code traffic), with one
+planner per pool (:mod:`kvflow.replay.pool_planner`) against each pool's
+own static peak (the smallest fixed size meeting the target on that
+pool's requests).
 
 Target per trace: SLA attainment (TTFT <= 500 ms and per-request mean ITL
 <= 50 ms) >= 99% at <= 70% of static peak's replica-hours, where static
@@ -22,7 +39,7 @@ peak meets 99%. The ×4 step burst's reaction time is the time from the
 burst's start to the first replica the planner added after it serving;
 its bound is one start-up time + 5 s.
 
-    python bench/planner_eval.py [--plots docs/planner] [--azure-end-s 3600]
+    python bench/planner_eval.py [--plots docs/planner] [--azure-end-s 3600] [--worker-startup-s 1,30]
 
 Last stdout line: one JSON object with a row per trace.
 
@@ -37,6 +54,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +63,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvflow, not an installed copy
 
 from kvflow.planner.core import PlannerConfig  # noqa: E402
-from kvflow.replay.planner_eval import PlannerEvaluation, evaluate_planner, profile_for  # noqa: E402
-from kvflow.replay.simulator import SimConfig  # noqa: E402
+from kvflow.planner.interpolation import PerfModel  # noqa: E402
+from kvflow.replay.planner_eval import (  # noqa: E402
+    PlannerEvaluation,
+    evaluate_planner,
+    profile_for,
+    replica_hours,
+    worker_lifetimes,
+    warm_start_replicas,
+)
+from kvflow.replay.pool_planner import run_pool_planner  # noqa: E402
+from kvflow.replay.report import sla_attainment  # noqa: E402
+from kvflow.replay.simulator import SimConfig, simulate  # noqa: E402
 from kvflow.replay.stress import SHAPES, StressSpec, burst_window_s, generate, write_azure_csv  # noqa: E402
 from kvflow.replay.traces import read_trace  # noqa: E402
+from kvflow.router.pools import DecodeGrid, PoolGrid, PrefillGrid  # noqa: E402
+from kvflow.schemas import WorkerRole  # noqa: E402
 from kvflow.workers.engines.mocker_core import MockerConfig  # noqa: E402
 
 SLA_TTFT_MS, SLA_ITL_MS = 500.0, 50.0
@@ -67,6 +97,81 @@ def default_planner_config(max_workers: int, worker_startup_s: float) -> Planner
         predictor="backtest", ttft_statistic="mean", itl_statistic="p99", correction_smoothing=0.5,
         min_aggregated_replicas=1, max_gpus=max_workers, scale_down_hold_intervals=3, correction_max=1.6,
         worker_startup_s=worker_startup_s)
+
+
+def pools_trace(seed: int, tmp: Path) -> Path:
+    """The two-pool trace: ``step_burst`` at 4 requests/s beside ``code`` at 2 requests/s, 600 s."""
+    reqs = generate("step_burst", StressSpec(base_rate_per_s=4.0), seed) + \
+        generate("code", StressSpec(base_rate_per_s=2.0), seed + 1)
+    return write_azure_csv(sorted(reqs, key=lambda r: r.arrival_s), tmp / "stress_pools.csv")
+
+
+def pool_grid() -> PoolGrid:
+    """Prompts under 1,500 tokens → prefill pool ``short``, else ``long``; context (prompt plus output)
+    under 1,500 tokens → decode pool ``short``, else ``long`` (an aggregated worker of the decode pool
+    serves the whole request)."""
+    return PoolGrid(prefill=PrefillGrid(isl_step_tokens=1500, ttft_step_ms=10_000, grid=[["short"], ["long"]]),
+                    decode=DecodeGrid(context_step_tokens=1500, itl_step_ms=10_000, grid=[["short"], ["long"]]))
+
+
+def static_pool_peak(trace, sim: SimConfig, pools: list[str], max_workers: int, sla_target: float
+                     ) -> dict[str, tuple[int, float, float]]:
+    """Per pool: the smallest fixed size meeting ``sla_target`` on the pool's requests (bisection; pools
+    are independent under the grid, so the other pool runs at ``max_workers``), its attainment and
+    replica-hours."""
+    out = {}
+    for pool in pools:
+        cache: dict[int, tuple[float, float]] = {}
+
+        def run(n: int) -> tuple[float, float]:
+            if n not in cache:
+                res = simulate(trace, replace(sim, pool_workers={p: (n if p == pool else max_workers) for p in pools}))
+                grid = sim.pool_grid
+                mine = [r for r in res.records
+                        if (res.worker_pools[r.worker_id] if r.worker_id else grid.choose(r.isl, r.osl).decode) == pool]
+                life = worker_lifetimes(res.records, res.worker_ids, res.end_ms)
+                hours = replica_hours({w: s for w, s in life.items() if res.worker_pools[w] == pool})
+                cache[n] = (sla_attainment(mine, SLA_TTFT_MS, SLA_ITL_MS), hours)
+            return cache[n]
+
+        lo, hi = 1, max_workers
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if run(mid)[0] >= sla_target:
+                hi = mid
+            else:
+                lo = mid + 1
+        out[pool] = (hi, *run(hi))
+    return out
+
+
+def pools_rows(args, cfg: PlannerConfig, perf: PerfModel, mocker: MockerConfig, startup_s: float,
+               tmp: Path) -> list[dict]:
+    """One row per pool of the two-pool trace: its planner against its own static peak."""
+    trace = read_trace(pools_trace(args.seed, tmp))
+    grid = pool_grid()
+    sim = SimConfig(workers=0, policy="round_robin", mocker=mocker, worker_startup_ms=startup_s * 1000.0,
+                    pool_grid=grid)
+    run = run_pool_planner(trace, sim, {"short": cfg, "long": cfg}, perf,
+                           initial={"short": {WorkerRole.aggregated: 2}, "long": {WorkerRole.aggregated: 2}},
+                           sla_ttft_ms=SLA_TTFT_MS, sla_itl_ms=SLA_ITL_MS)
+    static = static_pool_peak(trace, replace(sim, worker_startup_ms=0.0), ["short", "long"], args.max_workers,
+                              args.sla_target)
+    rows = []
+    for pool, figures in run.pools.items():
+        n, attainment, hours = static[pool]
+        planned = figures.replica_hours["aggregated"]
+        rows.append({"trace": f"pools/{pool}", "worker_startup_s": startup_s, "requests": figures.requests,
+                     "planner_attainment": round(figures.sla_attainment, 4),
+                     "planner_replica_hours": round(planned, 3),
+                     "planner_mean_workers": round(figures.mean_workers["aggregated"], 2),
+                     "planner_max_workers": figures.max_workers["aggregated"],
+                     "static_peak_workers": n, "static_peak_attainment": round(attainment, 4),
+                     "static_peak_replica_hours": round(hours, 3),
+                     "replica_hours_vs_static_peak": round(planned / hours, 4) if hours else None,
+                     "meets_target": bool(attainment >= args.sla_target and figures.sla_attainment >= args.sla_target
+                                          and hours and planned / hours <= 0.70)})
+    return rows
 
 
 def reaction_s(ev: PlannerEvaluation, burst_start_s: float) -> float | None:
@@ -129,26 +234,69 @@ def plot(name: str, ev: PlannerEvaluation, out_dir: Path, window_s: float = 30.0
     return str(path)
 
 
+def trace_row(name: str, path: Path, burst_start: float | None, args, cfg: PlannerConfig, profile,
+              mocker: MockerConfig, startup_s: float) -> dict:
+    """Evaluate one trace at one start-up time: the planner against static peak and static mean."""
+    t0 = time.perf_counter()
+    trace = read_trace(path, end_ms=args.azure_end_s * 1000 if name == "azure_conv" else None)
+    initial = (warm_start_replicas(trace, cfg, PerfModel.from_profile(profile)) if args.initial_workers == "warm"
+               else int(args.initial_workers))
+    sim = SimConfig(workers=initial, policy="round_robin", mocker=mocker, worker_startup_ms=startup_s * 1000.0)
+    ev = evaluate_planner(trace, sim, cfg, max_replicas=args.max_workers, sla_ttft_ms=SLA_TTFT_MS,
+                          sla_itl_ms=SLA_ITL_MS, sla_target=args.sla_target, profile=profile,
+                          fast_interval_s=None if args.no_fast_path else 1.0)
+    s = ev.summary
+    ttft_ok = sum(r.ok and r.first_token_ms is not None and r.first_token_ms - r.arrival_ms <= SLA_TTFT_MS
+                  for r in ev.planner.result.records) / max(1, len(trace.requests))
+    row = {
+        "trace": name, "worker_startup_s": startup_s, "requests": len(trace.requests), "initial_workers": initial,
+        "planner_attainment": round(ev.planner.sla_attainment, 4), "planner_ttft_attainment": round(ttft_ok, 4),
+        "planner_replica_hours": round(ev.planner.replica_hours, 3),
+        "planner_mean_workers": round(s.planner_mean_replicas, 2), "planner_max_workers": s.planner_max_replicas,
+        "static_peak_workers": s.static_peak_replicas, "static_peak_meets_sla": s.static_peak_meets_target,
+        "static_peak_attainment": round(ev.static_peak.sla_attainment, 4),
+        "static_peak_replica_hours": round(ev.static_peak.replica_hours, 3),
+        "static_mean_workers": s.static_mean_replicas,
+        "static_mean_attainment": round(ev.static_mean.sla_attainment, 4),
+        "static_mean_replica_hours": round(ev.static_mean.replica_hours, 3),
+        "replica_hours_vs_static_peak": round(s.replica_hours_vs_static_peak, 4),
+        "reactive_scale_ups": len(ev.planner.hook.reactive_ms),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    row["meets_target"] = bool(s.static_peak_meets_target and ev.planner.sla_attainment >= args.sla_target
+                               and s.replica_hours_vs_static_peak <= 0.70)
+    if burst_start is not None:
+        r = reaction_s(ev, burst_start)
+        row["burst_reaction_s"] = None if r is None else round(r, 1)
+        row["burst_reaction_bound_s"] = startup_s + 5.0
+    if args.plots is not None:
+        row["plot"] = plot(f"{name}_{startup_s:g}s", ev, args.plots)
+    return row
+
+
 def main() -> None:
-    """Parse arguments, run every trace, print a table to stderr and one JSON line to stdout."""
+    """Parse arguments, run every trace at every start-up time, print each row to stderr and one JSON
+    line to stdout."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0, help="stress-trace seed")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--azure", type=Path, default=default_trace())
     ap.add_argument("--azure-end-s", type=float, default=3600.0, help="keep the Azure trace's first S s (0: skip)")
     ap.add_argument("--speedup-ratio", type=float, default=0.25)
-    ap.add_argument("--worker-startup-s", type=float, default=30.0)
+    ap.add_argument("--worker-startup-s", default="1,30",
+                    help="comma-separated start-up times, s (1: a mocker worker's measured start-up)")
     ap.add_argument("--max-workers", type=int, default=32)
-    ap.add_argument("--initial-workers", type=int, default=2)
+    ap.add_argument("--initial-workers", default="2", help="workers at start, or warm (module docstring)")
     ap.add_argument("--sla-target", type=float, default=0.99)
     ap.add_argument("--no-fast-path", action="store_true", help="interval ticks only (for comparison)")
-    ap.add_argument("--plots", type=Path, default=None, help="write one PNG per trace here")
+    ap.add_argument("--no-pools", action="store_true", help="skip the two-pool run")
+    ap.add_argument("--plots", type=Path, default=None, help="write one PNG per trace and start-up time here")
     args = ap.parse_args()
+    startups = [float(v) for v in args.worker_startup_s.split(",") if v]
 
     mocker = MockerConfig(speedup_ratio=args.speedup_ratio)
     # One profile for every trace: aggregated closed loop at a fixed 256-token OSL (no trace's own mix).
     profile = profile_for(mocker, "aggregated", osl=256.0)
-    cfg = default_planner_config(args.max_workers, args.worker_startup_s)
     spec = StressSpec()
     traces: list[tuple[str, Path, float | None]] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-stress-"))
@@ -159,44 +307,18 @@ def main() -> None:
         traces.append(("azure_conv", args.azure, None))
 
     rows = []
-    for name, path, burst_start in traces:
-        t0 = time.perf_counter()
-        trace = read_trace(path, end_ms=args.azure_end_s * 1000 if name == "azure_conv" else None)
-        sim = SimConfig(workers=args.initial_workers, policy="round_robin", mocker=mocker,
-                        worker_startup_ms=args.worker_startup_s * 1000.0)
-        ev = evaluate_planner(trace, sim, cfg, max_replicas=args.max_workers, sla_ttft_ms=SLA_TTFT_MS,
-                              sla_itl_ms=SLA_ITL_MS, sla_target=args.sla_target, profile=profile,
-                              fast_interval_s=None if args.no_fast_path else 1.0)
-        s = ev.summary
-        ttft_ok = sum(r.ok and r.first_token_ms is not None and r.first_token_ms - r.arrival_ms <= SLA_TTFT_MS
-                      for r in ev.planner.result.records) / max(1, len(trace.requests))
-        row = {
-            "trace": name, "requests": len(trace.requests), "planner_attainment": round(ev.planner.sla_attainment, 4),
-            "planner_ttft_attainment": round(ttft_ok, 4),
-            "planner_replica_hours": round(ev.planner.replica_hours, 3),
-            "planner_mean_workers": round(s.planner_mean_replicas, 2), "planner_max_workers": s.planner_max_replicas,
-            "static_peak_workers": s.static_peak_replicas, "static_peak_meets_sla": s.static_peak_meets_target,
-            "static_peak_attainment": round(ev.static_peak.sla_attainment, 4),
-            "static_peak_replica_hours": round(ev.static_peak.replica_hours, 3),
-            "static_mean_workers": s.static_mean_replicas,
-            "static_mean_attainment": round(ev.static_mean.sla_attainment, 4),
-            "static_mean_replica_hours": round(ev.static_mean.replica_hours, 3),
-            "replica_hours_vs_static_peak": round(s.replica_hours_vs_static_peak, 4),
-            "reactive_scale_ups": len(ev.planner.hook.reactive_ms),
-            "wall_s": round(time.perf_counter() - t0, 1),
-        }
-        row["meets_target"] = bool(s.static_peak_meets_target and ev.planner.sla_attainment >= args.sla_target
-                                   and s.replica_hours_vs_static_peak <= 0.70)
-        if burst_start is not None:
-            r = reaction_s(ev, burst_start)
-            row["burst_reaction_s"] = None if r is None else round(r, 1)
-            row["burst_reaction_bound_s"] = args.worker_startup_s + 5.0
-        if args.plots is not None:
-            row["plot"] = plot(name, ev, args.plots)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-    print(json.dumps({"speedup_ratio": args.speedup_ratio, "worker_startup_s": args.worker_startup_s,
-                      "max_workers": args.max_workers, "seed": args.seed, "fast_path": not args.no_fast_path,
+    for startup_s in startups:
+        cfg = default_planner_config(args.max_workers, startup_s)
+        for name, path, burst_start in traces:
+            rows.append(trace_row(name, path, burst_start, args, cfg, profile, mocker, startup_s))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if not args.no_pools:
+            for row in pools_rows(args, cfg, PerfModel.from_profile(profile), mocker, startup_s, tmp):
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print(json.dumps({"speedup_ratio": args.speedup_ratio, "worker_startup_s": startups,
+                      "initial_workers": args.initial_workers, "max_workers": args.max_workers, "seed": args.seed,
+                      "fast_path": not args.no_fast_path,
                       "sla": {"ttft_ms": SLA_TTFT_MS, "itl_ms": SLA_ITL_MS, "target": args.sla_target},
                       "rows": rows}))
 

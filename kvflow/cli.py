@@ -36,6 +36,7 @@ from kvflow.cli_options import (
     ShedKvThresholdOpt,
     ShedModeOpt,
     ShedPrefillTokenThresholdOpt,
+    ShedColdStartHoldOpt,
     ShedQueueCapacityOpt,
     ShedQueueOrderOpt,
     StateFileOpt,
@@ -125,6 +126,7 @@ def up(
     shed_queue_order: ShedQueueOrderOpt = None,
     shed_kv_threshold: ShedKvThresholdOpt = None,
     shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
+    shed_cold_start_hold_s: ShedColdStartHoldOpt = None,
     data_dir: DataDirOpt = None,
     state_file: StateFileOpt = None,
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
@@ -164,7 +166,9 @@ def up(
 
     With --planner sla the SLA planner (metrics sink, planner loop and local
     connector) runs in this process and scales the aggregated workers between
-    --min-workers and --max-workers.
+    --min-workers and --max-workers. With --min-workers 0 the pool may scale
+    to zero: the router then holds requests while the planner starts a worker
+    (needs --shed-mode queue and --shed-cold-start-hold-s).
 
     While it runs, the deployment is recorded in deployments/<port>.json
     under --data-dir (or in --state-file), where `kvflow status`, `kvflow
@@ -182,7 +186,8 @@ def up(
                                 shed_mode=shed_mode, shed_queue_capacity=shed_queue_capacity,
                                 shed_queue_order=shed_queue_order, shed_kv_threshold=shed_kv_threshold,
                                 shed_prefill_token_threshold=shed_prefill_token_threshold,
-                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file,
+                                shed_cold_start_hold_s=shed_cold_start_hold_s, api_keys_file=api_keys_file,
+                                data_dir=data_dir, state_file=state_file,
                                 metrics_port=metrics_port)
     if settings.metrics_port is None:
         settings = settings.model_copy(update={"metrics_port": 0})
@@ -192,6 +197,16 @@ def up(
     if bool(image_workers) != bool(image_text_workers):
         raise typer.BadParameter("the image pipeline needs workers of both stages (--image-workers and "
                                  "--image-text-workers), or neither", param_hint="--image-text-workers")
+    if planner == "sla" and min_workers == 0 and settings.shed_cold_start_hold_s is None:
+        raise typer.BadParameter("a pool that may scale to zero needs the router to hold requests while a worker "
+                                 "starts: add --shed-mode queue --shed-cold-start-hold-s 120 (or raise "
+                                 "--min-workers)", param_hint="--min-workers")
+    from kvflow.router.shedding import ShedConfig
+
+    try:
+        ShedConfig.from_settings(settings)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--shed-cold-start-hold-s") from exc
     if settings.api_keys_file:
         from kvflow.streams.bridge.api_keys import read_api_keys_file
 

@@ -36,6 +36,7 @@ __all__ = [
     "ShedKvThresholdOpt",
     "ShedModeOpt",
     "ShedPrefillTokenThresholdOpt",
+    "ShedColdStartHoldOpt",
     "ShedQueueCapacityOpt",
     "ShedQueueOrderOpt",
     "StateFileOpt",
@@ -92,6 +93,10 @@ ShedKvThresholdOpt = Annotated[Optional[float], typer.Option(
 ShedPrefillTokenThresholdOpt = Annotated[Optional[int], typer.Option(
     min=1, help=env_help("shed_prefill_token_threshold",
                          "A worker is busy when more prompt tokens than this wait to be prefilled on it."))]
+ShedColdStartHoldOpt = Annotated[Optional[float], typer.Option(
+    min=0, help=env_help("shed_cold_start_hold_s",
+                         "With --shed-mode queue: hold a request for a model no worker serves for up to this many "
+                         "seconds (a planner with --min-workers 0 starts one) instead of answering 503 at once."))]
 DataDirOpt = Annotated[Optional[str], typer.Option(
     help=env_help("data_dir", "Embedded state: chDB, and deployments/<port>.json, the state file of each "
                               "running `kvflow up`."))]

@@ -381,6 +381,10 @@ class Settings(BaseSettings):
 
     shed_reserve_priority: int = 1
     """The lowest priority class ``shed_reserve_fraction`` is kept for. Defaults to 1."""
+    shed_cold_start_hold_s: float | None = Field(default=None, ge=0)
+    """With ``shed_mode="queue"``: hold a request for a model no worker serves for up to
+    this many seconds (a pool scaled to zero starting a worker) instead of answering 503
+    ``no_workers`` at once. None: no hold. Defaults to None."""
 
     router_session_margin: float | None = Field(default=0.25, ge=0.0)
     """Session affinity: a request with a session id goes to its session's

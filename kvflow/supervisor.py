@@ -11,7 +11,10 @@ connector: :meth:`Supervisor.scale` starts workers or drains them (SIGTERM,
 which the worker handles by draining: no request is lost). With
 :meth:`Supervisor.start_planner` it also hosts the SLA planner: metrics sink,
 planner loop and local connector (:mod:`kvflow.planner.service`), in this
-process because it owns the embedded chDB directory.
+process because it owns the embedded chDB directory; it reads the in-process
+router's held requests, so a pool at ``--min-workers 0`` starts a worker for
+the first request the router holds (``--shed-mode queue
+--shed-cold-start-hold-s``).
 
 Metrics: with ``settings.metrics_port`` set, :meth:`Supervisor.start` serves
 one Prometheus scrape point for the whole deployment
@@ -31,7 +34,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from kvflow.schemas import IMAGE_ROLES, WorkerRole
+from kvflow.schemas import IMAGE_ROLES, WorkerRole, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.broker import EmbeddedBroker, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
@@ -268,7 +271,7 @@ class Supervisor:
         self.planner = PlannerServices(
             self.settings, config, profile, current_replicas=lambda: {p: self.replicas(p) for p in config.pools},
             connector=LocalConnector(self, max_replicas=QUEUE_SLOTS), catalog=self.catalog, model=model,
-            data_dir=data_dir, shadow=shadow)
+            data_dir=data_dir, shadow=shadow, held_requests=lambda: self.router.core.held(now_ms()))
         await self.planner.start()
         if self.metrics is not None:
             from kvflow.planner.prometheus import planner_registry

@@ -452,6 +452,18 @@ def test_unknown_model_404_and_no_live_worker_503():
     assert source.requests == []
 
 
+def test_a_model_scaled_to_zero_is_sent_on_when_the_router_holds_requests_for_a_cold_start():
+    clock = Clock()
+    source = ScriptedSource()
+    state = make_state(source, clock=clock, worker_ttl_ms=3000, shed_mode="queue", shed_cold_start_hold_s=60)
+    with client_for(state) as c:
+        clock.ms = NOW_MS + 60_000  # its last worker is gone: the pool is at zero
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+        # tokenized as its workers advertised; an unknown model is still 404
+        assert len(source.requests) == 1 and source.requests[0].token_ids
+        assert_openai_error(c.post("/v1/chat/completions", json=chat_body(model="gpt-9")), 404, "model_not_found")
+
+
 def test_prompt_and_body_size_limits_are_413():
     with client_for(make_state(max_prompt_tokens=20)) as c:
         err = assert_openai_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 21}), 413)

@@ -99,6 +99,14 @@ def test_scale_down_goes_to_highest_need_of_the_hold_run(perf):
     assert [h[1][D] for h in hist] == [7, 7, 7, 5]
 
 
+def test_scale_down_window_slides_so_a_burst_pool_falls_in_one_hold(perf):
+    # needs after the burst: decode 7 -> 6, 3, 2, 2 (rates 45, 20, 10, 10); hold 3:
+    # the third lower tick steps to max(6, 3, 2) = 6, the next to max(3, 2, 2) = 3, without a new full hold
+    _, hist = run(initial_state(cfg(), perf), [50, 45, 20, 10, 10, 10])
+    assert [h[1][D] for h in hist] == [7, 7, 7, 6, 3, 2]
+    assert "highest need of the last 3 intervals" in hist[4][0].decisions[1].reason
+
+
 def test_noise_does_not_flap(perf):
     # decode need alternates 2 (14 req/s -> 1.75) and 3 (17 req/s -> 2.125)
     _, hist = run(initial_state(cfg(), perf), [14, 17] * 10)
@@ -133,6 +141,34 @@ def test_minimums_hold_without_traffic(perf):
     fx, targets = hist[-1]
     assert targets == {P: 2, D: 3}
     assert fx.prediction.isl is None and all(d.point is None for d in fx.decisions)
+
+
+def test_a_pool_at_zero_is_not_left_at_zero_while_requests_wait(perf):
+    state = initial_state(cfg(min_prefill_replicas=0, min_decode_replicas=0), perf)
+    state, fx = on_tick(state, TickInput(now_ms=1, traffic=traffic(0), current_replicas={P: 0, D: 0}))
+    assert (fx.target(P), fx.target(D)) == (0, 0)  # idle: scaled to zero
+    _, fx = on_tick(state, TickInput(now_ms=2, traffic=traffic(0), current_replicas={P: 0, D: 0}, waiting_requests=3))
+    # held requests need a decode replica (prefill can run on it); nothing finished yet to size more
+    assert (fx.target(P), fx.target(D)) == (0, 1)
+    assert "3 requests wait: at least 1 replica" in fx.decisions[1].reason
+
+
+def test_the_prefill_pool_is_sized_from_its_own_requests(perf):
+    # decode serves 10 req/s (2000 out tok/s -> 2 replicas); only 4 req/s of 2000-token prompts were
+    # prefilled remotely: 8000 tok/s, at 2000 tokens 10000 tok/s per replica meet TTFT 300 ms -> 1 replica
+    tick = TickInput(now_ms=1, traffic=traffic(10, isl=1000), current_replicas={P: 1, D: 2},
+                     prefill_traffic=traffic(4, isl=2000))
+    state, fx = on_tick(initial_state(cfg(), perf), tick)
+    assert fx.target(D) == 2 and fx.target(P) == 1
+    assert "4.00 req/s x 2000 new tok = 8000 tok/s" in fx.decisions[0].reason
+    assert state.prefill_predictors.rate.history[-1] == pytest.approx(4.0)
+    assert state.predictors.rate.history[-1] == pytest.approx(10.0)
+    # the prefill pool's own burst scales prefill alone
+    _, fx = on_tick(state, TickInput(now_ms=2, traffic=traffic(10, isl=1000), current_replicas={P: 1, D: 2},
+                                     prefill_traffic=traffic(30, isl=2000)))
+    assert (fx.target(P), fx.target(D)) == (6, 2)  # 60000 tok/s / 10000
+    with pytest.raises(ValueError, match="disaggregated mode only"):
+        on_tick(initial_state(cfg(mode="aggregated"), perf), tick)
 
 
 def test_initial_overprovisioning_is_held_before_scaling_down(perf):

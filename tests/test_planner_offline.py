@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvflow.planner.core import PlannerConfig
+from kvflow.planner.core import PlannerConfig, Prediction, initial_state, pool_needs
 from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.queries import interval_aggregates
 from kvflow.replay.offline import run_offline
@@ -28,11 +28,14 @@ from kvflow.replay.planner_eval import (
     replica_steps,
     run_with_planner,
     smallest_static_pool,
+    warm_start_replicas,
     worker_lifetimes,
 )
 from kvflow.replay.report import RequestRecord, load_report, meets_sla
 from kvflow.replay.simulator import SimConfig, Simulation, simulate
-from kvflow.replay.traces import TraceRequest, read_trace
+from kvflow.replay.traces import Trace, TraceRequest, read_trace
+from kvflow.router.shedding import ShedConfig
+from kvflow.schemas import WorkerRole
 from kvflow.schemas.metrics import RequestMetrics
 from kvflow.workers.engines.mocker_core import MockerConfig
 
@@ -102,6 +105,35 @@ def test_scales_up_on_a_burst_and_back_down_after_it(perf):
         serving = [s.serving for s in steps if s.t_s <= t.t_s][-1]
         assert serving == t.target_replicas
     assert all(r.ok and r.output_tokens == OSL for r in run.result.records)  # nothing lost to scaling
+
+
+def test_a_pool_scaled_to_zero_holds_requests_and_serves_them_after_a_cold_start(perf):
+    startup_s = 5.0
+    trace = phases((0, 20, 2.0), (150, 170, 2.0))  # two busy spells, 130 s apart
+    sim = SimConfig(workers=0, mocker=MOCKER, worker_startup_ms=startup_s * 1000,
+                    shed=ShedConfig(mode="queue", cold_start_hold_ms=120_000))
+    run = run_with_planner(trace, sim, planner_config(min_aggregated_replicas=0, worker_startup_s=startup_s), perf)
+    recs = run.result.records
+    assert all(r.ok and r.output_tokens == OSL for r in recs)  # none shed, none lost
+    assert run.result.router_counts["cold_held"] >= 2 and run.result.router_counts["rejected"] == 0
+    steps = replica_steps(run.lifetimes, run.hook.drained_ms)
+    assert steps[0].live == 0 or steps[0].t_s > 0  # nothing runs before the first request
+    assert any(s.live == 0 and 40 < s.t_s < 150 for s in steps)  # idle: scaled to zero (and drained)
+    # each spell's first request waits for a cold start: start-up plus at most a fast check and a router tick
+    for first in (recs[0], next(r for r in recs if r.arrival_ms >= 150_000)):
+        wait_s = (first.first_token_ms - first.arrival_ms) / 1000
+        assert startup_s <= wait_s <= startup_s + 3.0
+    starts_s = sorted(t / 1000 for t in run.hook.started_ms.values())
+    assert starts_s[0] <= 1.0 and any(150.0 <= t <= 151.0 for t in starts_s)
+
+
+def test_warm_start_sizes_the_first_interval_as_the_planner_would(perf):
+    cfg = planner_config()
+    busy = Trace("t", "", "synthetic", phases((0, 10, 20.0), (10, 60, 1.0)))  # the first 10 s interval: 200 requests
+    need = pool_needs(initial_state(cfg, perf), Prediction(20.0, ISL, OSL, 0.0))[WorkerRole.aggregated][0]
+    assert warm_start_replicas(busy, cfg, perf) == math.ceil(need) > 1
+    assert warm_start_replicas(Trace("t", "", "synthetic", phases((20, 30, 1.0))), cfg, perf) == 1  # idle: the minimum
+    assert warm_start_replicas(busy, planner_config(max_gpus=2), perf) == 2  # capped
 
 
 def test_scaling_changes_the_outcome(perf):

@@ -10,7 +10,7 @@ import pytest
 
 from kvflow.planner.core import PlannerConfig, TickInput, TrafficObservation, initial_state, on_tick
 from kvflow.planner.loop import LeadTimeTracker
-from kvflow.planner.reactive import LiveSignals, on_signals
+from kvflow.planner.reactive import LiveSignals, on_signals, step_rate_lower_bound
 from kvflow.schemas import ScalingCommand
 from kvflow.schemas.workers import WorkerRole
 from tests.test_planner_core import perf  # noqa: F401 - the shared profile fixture
@@ -39,6 +39,27 @@ def test_a_step_in_arrivals_scales_up_at_once_without_waiting_for_a_queue(perf):
     assert state.targets[A] == 2  # the input state is not mutated
 
 
+def test_a_step_is_sized_from_the_last_seconds_before_the_whole_window_sees_it(perf):  # noqa: F811
+    state = state_at(perf, 2, predictor="constant")
+    # 1 s of 48 req/s after 4 s of 4: the 5 s window averages 12.8 req/s (1.6 replicas: hold at 2);
+    # the last 2 s counted 52 arrivals: at least 52 - sqrt(52) = 44.8, i.e. 22.4 req/s -> 2.8 -> 3 >= 1.5 x 2
+    whole = signals(12.8, 2, step_window_s=2.0, step_arrivals=52)
+    assert on_signals(state, dataclasses.replace(whole, step_window_s=None))[1] is None
+    effects = on_signals(state, whole)[1]
+    assert effects is not None and effects.target(A) == 3
+    assert "22.4 req/s (64 in 5 s, 52 in the last 2 s)" in effects.decisions[0].reason
+    # steady 4 req/s: 8 arrivals in 2 s bound to 2.6 req/s, below the whole window's rate
+    assert on_signals(state, signals(4.0, 2, step_window_s=2.0, step_arrivals=8))[1] is None
+
+
+def test_the_step_bound_lies_below_a_poisson_count_and_near_a_large_one():
+    assert step_rate_lower_bound(0, 2.0) == 0.0
+    assert step_rate_lower_bound(16, 2.0) == pytest.approx(6.0)  # (16 - 4) / 2
+    assert step_rate_lower_bound(400, 2.0) == pytest.approx(190.0)  # within 5% of 200 req/s
+    with pytest.raises(ValueError):
+        step_rate_lower_bound(3, 0.0)
+
+
 def test_noise_alone_does_not_scale_but_noise_with_a_backlog_does(perf):  # noqa: F811
     state = state_at(perf, 4)
     assert on_signals(state, signals(40.0, 4)) == (state, None)  # needs 5 < 1.5 x 4: Poisson noise
@@ -56,7 +77,29 @@ def test_pressure_without_more_demand_adds_one_replica_per_start_up_time(perf): 
     assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
                                      last_scale_up_ms=90_000))[1] is None
     assert on_signals(state, signals(8.0, 4, p99_itl_ms=80.0, finished_requests=60,
-                                     last_scale_up_ms=60_000))[1].target(A) == 5
+                                     last_scale_up_ms=65_000))[1].target(A) == 5
+
+
+def test_a_pool_at_zero_starts_a_replica_for_the_first_held_request(perf):  # noqa: F811
+    state = state_at(perf, 0, min_aggregated_replicas=0)
+    idle = LiveSignals(now_ms=100_000, window_s=5.0, arrivals=0, current_replicas={A: 0}, ready_replicas={A: 0})
+    assert on_signals(state, idle)[1] is None  # nothing waits: stay at zero
+    new, effects = on_signals(state, dataclasses.replace(idle, waiting_requests=1, oldest_wait_ms=20.0))
+    assert effects.target(A) == 1 and new.targets[A] == 1  # at once, not after the TTFT target passed
+    assert "cold start 0 -> 1: 1 requests wait with no replica" in effects.decisions[0].reason
+    # arrivals already known size it in full
+    _, effects = on_signals(state, signals(24.0, 0, waiting_requests=5))
+    assert effects.target(A) == 3
+
+
+def test_pressure_waits_for_a_starting_replica_to_serve(perf):  # noqa: F811
+    state = state_at(perf, 4)
+    late = dict(oldest_wait_ms=900.0, last_scale_up_ms=60_000)
+    starting = dataclasses.replace(signals(8.0, 4, **late), ready_replicas={A: 3})
+    assert on_signals(state, starting)[1] is None  # a replica still starts: its backlog is no new need
+    assert on_signals(state, signals(8.0, 4, **late))[1].target(A) == 5
+    # 36 s after the last step: start-up (30 s) plus one window (5 s) passed
+    assert on_signals(state, signals(8.0, 4, oldest_wait_ms=900.0, last_scale_up_ms=66_000))[1] is None
 
 
 def test_the_fast_path_never_scales_down_and_respects_the_budget(perf):  # noqa: F811

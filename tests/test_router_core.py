@@ -209,6 +209,52 @@ def test_held_requests_of_a_model_nobody_serves_any_more_are_rejected_at_the_tic
     assert not core.queue
 
 
+def test_a_cold_start_holds_requests_until_a_worker_registers():
+    core = core_with(shed=ShedConfig(mode="queue", cold_start_hold_ms=60_000))  # no worker: a pool at zero
+    held = [core.route(arrival(f"c{i}"), 1_000 + i) for i in range(3)]
+    assert all(d.outcome is DecisionOutcome.queued and "held while one starts" in d.reason for d in held)
+    assert core.counters["cold_held"] == 3 and core.held(2_000) == (3, 1_000)
+    assert core.tick(5_000) == [] and len(core.queue) == 3  # still no worker: nothing rejected
+    assert core.held(5_000) == (3, 4_000)
+    core.on_heartbeat(hb("w0", 6_000, seq=0))  # the worker the planner started registers
+    # an arrival routes at once: held cold-start requests are not a queue of busy workers
+    assert core.route(arrival("new"), 6_000).outcome is DecisionOutcome.routed
+    released = core.tick(6_000)  # all of them, as on arrival (not one per worker per tick), in order
+    assert [(e.outcome, e.arrival.request_id) for e in released] == [(DecisionOutcome.routed, f"c{i}")
+                                                                     for i in range(3)]
+    assert core.held(6_000) == (0, 0) and not core.queue
+
+
+def test_a_cold_hold_ends_with_503_and_does_not_block_served_models():
+    core = core_with("w0", shed=ShedConfig(mode="queue", cold_start_hold_ms=10_000, kv_threshold=0.5))
+    assert core.route(arrival("x", model="other"), 1_000).outcome is DecisionOutcome.queued  # no worker of it
+    assert core.route(arrival("a"), 1_001).outcome is DecisionOutcome.routed  # not behind the held one
+    core.on_heartbeat(hb("w0", 2_000, used=80, seq=0))
+    core.route(arrival("b"), 2_001)  # w0 busy (80% > 50%): b waits in the queue behind x
+    core.on_heartbeat(hb("w0", 3_000, seq=0))
+    assert [(e.outcome, e.arrival.request_id) for e in core.tick(3_000)] == [(DecisionOutcome.routed, "b")]
+    core.on_heartbeat(hb("w0", 11_000, seq=0))
+    effects = core.tick(11_001)  # held 10.001 s > 10 s: no worker came
+    assert [(e.outcome, e.arrival.request_id, e.error.code) for e in effects] == [
+        (DecisionOutcome.rejected, "x", "no_workers")]
+    assert not core.queue and core.held(11_001) == (0, 0)
+
+
+def test_a_queue_full_of_cold_held_requests_sheds_when_the_workers_are_busy():
+    core = core_with("w0", shed=ShedConfig(mode="queue", cold_start_hold_ms=60_000, queue_capacity=2,
+                                           kv_threshold=0.5))
+    core.on_heartbeat(hb("w0", 1_000, used=80, seq=0))  # w0 busy
+    assert [core.route(arrival(f"x{i}", model="other"), 1_001).outcome for i in range(2)] == [
+        DecisionOutcome.queued] * 2  # the queue is full of requests for a model nobody serves
+    d = core.route(arrival("a"), 1_002)
+    assert d.outcome is DecisionOutcome.shed and d.error.code == "overloaded" and len(core.queue) == 2
+
+
+def test_a_cold_hold_needs_the_queue():
+    with pytest.raises(ValueError, match="cold_start_hold_ms"):
+        ShedConfig(cold_start_hold_ms=1_000)
+
+
 def test_silent_workers_expire_before_a_decision():
     core = core_with("w0", "w1")
     core.on_heartbeat(hb("w1", 9_000, slot=1, seq=0))

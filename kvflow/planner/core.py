@@ -37,11 +37,20 @@ Per tick, for each pool:
      ``"sum"`` takes ``ceil(prefill need + decode need)``: the upper bound,
      when a replica's time is strictly shared between the two phases.
 
+   In disaggregated mode the prefill pool may see other requests than the
+   decode pool (:attr:`TickInput.prefill_traffic`: remote prefills only, or
+   the requests a pool grid sends there): it is then observed, corrected and
+   forecast from its own requests, with its own predictors.
+
 4. **Bound.** Raise to the pool's minimum; apply anti-flapping: scale **up**
    at once to the need without corrections, and beyond it by at most
    ``max_scale_up_factor`` per tick; scale **down** only after the need stayed below the current
    target for ``scale_down_hold_intervals`` consecutive ticks, then to the
-   highest need seen in that run. Finally fit the GPU budget
+   highest need of the last ``scale_down_hold_intervals`` ticks; while the
+   need stays below, every later tick steps down again to the highest need
+   of its own last ``scale_down_hold_intervals`` ticks (a sliding window, as
+   the Kubernetes HPA's scale-down stabilization window), so a pool falls
+   from a burst's size to the quiet need in one hold, not one hold per step. Finally fit the GPU budget
    (``max_gpus``, each replica costing ``<pool>_gpus_per_replica``): while over
    budget, remove one replica from the pool that keeps the largest share of
    its target (never below its minimum).
@@ -148,6 +157,12 @@ class PlannerConfig:
             target, observed TTFT/ITL above target) any excess scales up.
             Defaults to 1.5: Poisson noise over 5 s at a few requests/s
             stays below it.
+        reactive_step_window_s: the fast path also reads the arrival rate
+            of the window's last this many seconds (0: only the whole
+            window), as a lower bound of the Poisson rate behind that count
+            (:func:`kvflow.planner.reactive.step_rate_lower_bound`), so a
+            step of several times the rate is sized within these seconds
+            and noise is not. Defaults to 2.
     """
 
     ttft_ms: float = 500.0
@@ -174,6 +189,7 @@ class PlannerConfig:
     worker_startup_s: float = 0.0
     reactive_window_s: float = 5.0
     reactive_jump: float = 1.5
+    reactive_step_window_s: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlannerMode(self.mode))
@@ -198,6 +214,8 @@ class PlannerConfig:
             problems.append(f"ttft_statistic and itl_statistic must be one of {LATENCY_STATISTICS}")
         if self.worker_startup_s < 0 or self.reactive_window_s <= 0 or self.reactive_jump < 1:
             problems.append("need worker_startup_s >= 0, reactive_window_s > 0 and reactive_jump >= 1")
+        if not 0 <= self.reactive_step_window_s <= self.reactive_window_s:
+            problems.append("need 0 <= reactive_step_window_s <= reactive_window_s")
         if self.aggregated_sizing not in ("max", "sum"):
             problems.append("aggregated_sizing must be 'max' or 'sum'")
         floor_gpus = sum(self.min_replicas(p) * self.gpus_per_replica(p) for p in self.pools)
@@ -269,6 +287,18 @@ class TickInput:
     the replicas that served.
     ``startup_s``: measured seconds from a scale-up to the new replica
     serving (None: :attr:`PlannerConfig.worker_startup_s`).
+    ``waiting_requests``: requests accepted and not yet served (held by the
+    router, e.g. for a pool at zero): demand no finished request shows
+    yet. While any wait, a pool that serves whole requests (aggregated, or
+    decode) is not sized below one replica, so a pool scaled to zero is not
+    scaled down again before its first worker serves them.
+    ``prefill_traffic``: disaggregated mode only: the interval's requests
+    whose prompt the prefill pool computed (remote prefills), when they
+    differ from ``traffic`` (the requests the decode pool served, which
+    then sizes decode only). A pool of a global router's grid
+    (:mod:`kvflow.router.pools`) prefills some requests another pool
+    decodes, and with conditional disaggregation short prompts never reach
+    the prefill pool. None: ``traffic`` sizes both.
     """
 
     now_ms: int
@@ -276,6 +306,8 @@ class TickInput:
     current_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     serving_replicas: Mapping[WorkerRole, float] | None = None
     startup_s: float | None = None
+    waiting_requests: int = 0
+    prefill_traffic: TrafficObservation | None = None
 
 
 @dataclass(frozen=True)
@@ -353,7 +385,9 @@ class PlannerState:
     """Everything the core carries between ticks (treat as immutable).
 
     ``targets``: last target per pool (absent before the first tick);
-    ``down_runs``: needs below target seen on consecutive ticks, per pool.
+    ``down_runs``: needs below target seen on consecutive ticks, per pool;
+    ``prefill_predictors``: the prefill pool's own load predictors, once a
+    tick gave :attr:`TickInput.prefill_traffic` (None before).
     """
 
     config: PlannerConfig
@@ -365,6 +399,7 @@ class PlannerState:
     decode_correction: float = 1.0
     kv_hit_rate: float = 0.0
     num_ticks: int = 0
+    prefill_predictors: LoadPredictors | None = None
 
 
 def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
@@ -373,9 +408,13 @@ def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
     Raises:
         ImportError: ``config.predictor`` is ``"prophet"`` without the optional package.
     """
+    return PlannerState(config=config, perf=perf, predictors=_new_predictors(config))
+
+
+def _new_predictors(config: PlannerConfig) -> LoadPredictors:
     def new() -> LoadPredictor:
         return make_predictor(config.predictor, **dict(config.predictor_kwargs))
-    return PlannerState(config=config, perf=perf, predictors=LoadPredictors(new(), new(), new()))
+    return LoadPredictors(new(), new(), new())
 
 
 def _ceil(x: float) -> int:
@@ -414,11 +453,20 @@ def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float
 
 
 def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:
-    """Prefill (TTFT) and decode (ITL) correction factors from the interval just served."""
-    cfg, perf, t = state.config, state.perf, tick.traffic
+    """Prefill (TTFT) and decode (ITL) correction factors from the interval just served
+    (each from its own pool's requests when :attr:`TickInput.prefill_traffic` is given)."""
+    if tick.prefill_traffic is None:
+        return _corrections_from(state, tick, tick.traffic, tick.traffic, hit_rate)
+    p_corr, _ = _corrections_from(state, tick, tick.prefill_traffic, None, hit_rate)
+    _, d_corr = _corrections_from(state, tick, None, tick.traffic, state.kv_hit_rate)
+    return p_corr, d_corr
+
+
+def _corrections_from(state: PlannerState, tick: TickInput, pt: TrafficObservation | None,
+                      dt: TrafficObservation | None, hit_rate: float) -> tuple[float, float]:
+    """Correction factors from prefill traffic ``pt`` and decode traffic ``dt`` (None: keep that factor)."""
+    cfg, perf = state.config, state.perf
     p_corr, d_corr = state.prefill_correction, state.decode_correction
-    if t.num_requests == 0 or not t.mean_isl:
-        return p_corr, d_corr
     agg = cfg.mode is PlannerMode.aggregated
     served = tick.current_replicas if tick.serving_replicas is None else tick.serving_replicas
     p_pool, d_pool = (WorkerRole.aggregated, WorkerRole.aggregated) if agg else (WorkerRole.prefill, WorkerRole.decode)
@@ -427,14 +475,16 @@ def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple
         n_p = 0  # many replicas were starting: keep the correction (see TickInput)
     if n_d < _STARTING_SHARE * tick.current_replicas.get(d_pool, 0):
         n_d = 0
-    rate = t.request_rate_per_s
-    eff_isl = max(1.0, t.mean_isl * (1.0 - hit_rate))
-    ttft = t.p99_ttft_ms if cfg.ttft_statistic == "p99" else t.mean_ttft_ms
-    itl = t.p99_itl_ms if cfg.itl_statistic == "p99" else t.mean_itl_ms
-    if ttft is not None and n_p > 0:
-        p_corr = _correction(perf.prefill, eff_isl, rate * eff_isl / n_p, ttft, p_corr, cfg)
-    if itl is not None and t.mean_osl and n_d > 0:
-        d_corr = _correction(perf.decode, t.mean_isl + t.mean_osl / 2, rate * t.mean_osl / n_d, itl, d_corr, cfg)
+    if pt is not None and pt.num_requests > 0 and pt.mean_isl and n_p > 0:
+        eff_isl = max(1.0, pt.mean_isl * (1.0 - hit_rate))
+        ttft = pt.p99_ttft_ms if cfg.ttft_statistic == "p99" else pt.mean_ttft_ms
+        if ttft is not None:
+            p_corr = _correction(perf.prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p, ttft, p_corr, cfg)
+    if dt is not None and dt.num_requests > 0 and dt.mean_isl and dt.mean_osl and n_d > 0:
+        itl = dt.p99_itl_ms if cfg.itl_statistic == "p99" else dt.mean_itl_ms
+        if itl is not None:
+            d_corr = _correction(perf.decode, dt.mean_isl + dt.mean_osl / 2, dt.request_rate_per_s * dt.mean_osl / n_d,
+                                 itl, d_corr, cfg)
     return p_corr, d_corr
 
 
@@ -461,8 +511,14 @@ class _Need:
     note: str
 
 
-def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: float) -> tuple[_Need, _Need]:
-    """Fractional prefill and decode replicas for the predicted load."""
+def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: float,
+                 p_pred: Prediction | None = None) -> tuple[_Need, _Need]:
+    """Fractional prefill and decode replicas for the predicted load (``p_pred``: the
+    prefill pool's own, when it differs from ``pred``)."""
+    if p_pred is not None:
+        if p_pred.osl is None and p_pred.isl is not None:
+            p_pred = replace(p_pred, osl=1.0)  # prefill sizing reads no output length
+        return _phase_needs(state, p_pred, p_corr, d_corr)[0], _phase_needs(state, pred, p_corr, d_corr)[1]
     cfg, perf = state.config, state.perf
     if pred.request_rate_per_s <= 0 or pred.isl is None or pred.osl is None:
         idle = _Need(0.0, 0.0, None, "no predicted load")
@@ -532,11 +588,16 @@ def _hold(cfg: PlannerConfig, previous: int, need: int, run: tuple[int, ...],
         return step, (), f"scale up {previous} -> {step}{capped}"
     if need == previous:
         return need, (), f"hold at {need}"
-    run = run + (need,)
-    if len(run) >= cfg.scale_down_hold_intervals:
+    hold = cfg.scale_down_hold_intervals
+    run = (run + (need,))[-hold:]
+    if len(run) >= hold:
+        # The window slides: each later tick below target steps down again to the
+        # highest need of the last ``hold`` ticks, without waiting a new full hold.
         target = max(run)
-        return target, (), f"scale down {previous} -> {target} after {len(run)} intervals below"
-    return previous, run, f"hold at {previous}: need {need} for {len(run)}/{cfg.scale_down_hold_intervals} intervals"
+        if target < previous:
+            return target, run, f"scale down {previous} -> {target}: highest need of the last {hold} intervals"
+        return previous, run, f"hold at {previous}: highest need of the last {hold} intervals is {target}"
+    return previous, run, f"hold at {previous}: need {need} for {len(run)}/{hold} intervals"
 
 
 def fit_budget(cfg: PlannerConfig, targets: dict[WorkerRole, int]) -> dict[WorkerRole, int]:
@@ -567,13 +628,23 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         ValueError: the profile has no feasible point at the predicted lengths.
     """
     cfg = state.config
+    if tick.prefill_traffic is not None and cfg.mode is not PlannerMode.disaggregated:
+        raise ValueError("prefill_traffic sizes a prefill pool: disaggregated mode only")
     preds = copy.deepcopy(state.predictors)
     _observe(preds, tick.traffic)
-    hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
+    steps = lead_steps(cfg, tick.startup_s)
+    p_preds, p_pred = state.prefill_predictors, None
+    if tick.prefill_traffic is not None:
+        p_preds = copy.deepcopy(p_preds) if p_preds is not None else _new_predictors(cfg)
+        _observe(p_preds, tick.prefill_traffic)
+        hit_rate = _hit_rate(tick.prefill_traffic, state.kv_hit_rate)
+        p_pred = _predict(p_preds, hit_rate, steps)
+    else:
+        hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
     p_corr, d_corr = _corrections(state, tick, hit_rate)
-    pred = _predict(preds, hit_rate, lead_steps(cfg, tick.startup_s))
-    needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr))
-    uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0))
+    pred = _predict(preds, hit_rate, steps)
+    needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr, p_pred))
+    uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0, p_pred))
 
     raw: dict[WorkerRole, int] = {}
     held: dict[WorkerRole, int] = {}
@@ -581,15 +652,20 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
     notes: dict[WorkerRole, str] = {}
     for pool in cfg.pools:
         current = int(tick.current_replicas.get(pool, 0))
-        raw[pool] = max(cfg.min_replicas(pool), _ceil(needs[pool].replicas))
+        floor = cfg.min_replicas(pool)
+        if tick.waiting_requests > 0 and pool in (WorkerRole.aggregated, WorkerRole.decode):
+            floor = max(floor, 1)
+        raw[pool] = max(floor, _ceil(needs[pool].replicas))
         previous = state.targets.get(pool, current)
-        demand = max(cfg.min_replicas(pool), _ceil(uncorrected[pool].replicas))
+        demand = max(floor, _ceil(uncorrected[pool].replicas))
         held[pool], runs[pool], notes[pool] = _hold(cfg, previous, raw[pool], state.down_runs.get(pool, ()), demand)
     targets = fit_budget(cfg, held)
 
     decisions = []
     for pool in cfg.pools:
         reason = f"{pool.value}: {notes[pool]}; need {needs[pool].replicas:.2f} -> {raw[pool]} ({needs[pool].note})"
+        if raw[pool] > max(cfg.min_replicas(pool), _ceil(needs[pool].replicas)):
+            reason += f"; {tick.waiting_requests} requests wait: at least 1 replica (cold start)"
         if targets[pool] != held[pool]:
             reason += f"; GPU budget {cfg.max_gpus} caps {held[pool]} -> {targets[pool]}"
         decisions.append(PoolDecision(
@@ -598,7 +674,8 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
             point=needs[pool].point, reason=reason))
 
     new_state = replace(state, predictors=preds, targets=targets, down_runs=runs, prefill_correction=p_corr,
-                        decode_correction=d_corr, kv_hit_rate=hit_rate, num_ticks=state.num_ticks + 1)
+                        decode_correction=d_corr, kv_hit_rate=hit_rate, num_ticks=state.num_ticks + 1,
+                        prefill_predictors=p_preds)
     effects = PlannerEffects(
         now_ms=tick.now_ms, next_tick_ms=tick.now_ms + int(cfg.adjustment_interval_s * 1000),
         decisions=tuple(decisions), prediction=pred, prefill_correction=p_corr, decode_correction=d_corr)
@@ -606,23 +683,26 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
 
 
 def scaling_commands(effects: PlannerEffects, *, only_changed: bool = True,
-                     shadow: bool = False) -> list[ScalingCommand]:
+                     shadow: bool = False, worker_pool: str = "") -> list[ScalingCommand]:
     """Scaling records for a tick's decisions.
 
-    ``decision_id`` is ``"<now_ms>-<pool>"``: deterministic, so a replayed or
-    re-published tick yields the same ids and connectors (which apply each id
-    at most once) ignore the duplicates, while every tick gets new ids.
+    ``decision_id`` is ``"<now_ms>-<pool>"`` (``"<now_ms>-<worker_pool>-<pool>"``
+    for a named worker pool): deterministic, so a replayed or re-published
+    tick yields the same ids and connectors (which apply each id at most
+    once) ignore the duplicates, while every tick gets new ids.
 
     Args:
         effects: the tick's effects.
         only_changed: emit only pools whose target differs from what runs now.
         shadow: mark the records advisory (:attr:`ScalingCommand.shadow`):
             connectors log them and act on none.
+        worker_pool: the worker pool these effects size (:attr:`ScalingCommand.worker_pool`).
     """
+    prefix = f"{effects.now_ms}-{worker_pool}-" if worker_pool else f"{effects.now_ms}-"
     return [
-        ScalingCommand(decision_id=f"{effects.now_ms}-{d.pool.value}", pool=d.pool,
+        ScalingCommand(decision_id=f"{prefix}{d.pool.value}", pool=d.pool,
                        target_replicas=d.target_replicas, current_replicas=d.current_replicas,
-                       reason=d.reason, ts_ms=effects.now_ms, shadow=shadow)
+                       reason=d.reason, ts_ms=effects.now_ms, shadow=shadow, worker_pool=worker_pool)
         for d in effects.decisions
         if d.changed or not only_changed
     ]

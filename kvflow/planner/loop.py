@@ -26,9 +26,12 @@ Between ticks, with ``fast_interval_s`` set, the fast reactive path
 (:meth:`PlannerLoop.fast_check`, :func:`~kvflow.planner.reactive.on_signals`)
 runs every ``fast_interval_s`` on the last ``reactive_window_s`` seconds of
 finished requests (their count stands for arrivals, with their mean ISL/OSL
-and p99 TTFT/ITL) and, when ``load_signals`` is given, the workers' waiting
-requests and prompt tokens from their heartbeats. It only scales up; its
-commands go out like a tick's.
+and p99 TTFT/ITL; a second count over the last ``reactive_step_window_s``
+seconds sizes a step) and, when ``load_signals`` is given, the workers' waiting
+requests and prompt tokens from their heartbeats, and, when
+``held_requests`` is given, the requests the router holds (with a pool at
+zero, the only sign of demand). It only scales up; its commands go out like
+a tick's.
 
 A failed tick (ClickHouse error, no feasible profile point) is logged and
 leaves the planner state as it was; the loop keeps ticking.
@@ -62,7 +65,8 @@ from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import make_producer
 
-__all__ = ["PlannerLoop", "TickReport", "ReplicaCounter", "LoadSignals", "LeadTimeTracker", "load_profile",
+__all__ = ["PlannerLoop", "TickReport", "ReplicaCounter", "LoadSignals", "HeldRequests", "LeadTimeTracker",
+           "load_profile",
            "publish_command", "workers_topic_counter", "workers_topic_load"]
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,11 @@ ReplicaCounter = Callable[[], Mapping[WorkerRole, int] | Awaitable[Mapping[Worke
 
 LoadSignals = Callable[[], Awaitable[tuple[int, int]]]
 """Resolves to (waiting requests, waiting prompt tokens) over the serving workers, from their heartbeats."""
+
+HeldRequests = Callable[[], tuple[int, int]]
+"""Returns (requests the router holds, age of the oldest in ms), e.g. an in-process router's
+:meth:`~kvflow.router.core.RouterCore.held`: demand that no finished request shows yet (a pool
+scaled to zero holds every request until its first worker serves)."""
 
 
 def workers_topic_load(settings: Settings, catalog: Catalog) -> LoadSignals:
@@ -198,13 +207,17 @@ class PlannerLoop:
             nothing acts on them.
         fast_interval_s: seconds between fast-path checks (None: no fast path).
         load_signals: the workers' waiting load for the fast path (None: not used).
+        held_requests: the router's held requests for the fast path (None: not
+            used); a pool with ``min_*_replicas = 0`` needs it to start again
+            from zero (:mod:`kvflow.planner.reactive`, cold start).
     """
 
     def __init__(self, settings: Settings, catalog: Catalog, clickhouse, config: PlannerConfig, profile: Profile,
                  current_replicas: ReplicaCounter, *, model: str | None = None, settle_s: float = 1.0,
                  before_query: Callable[[], Awaitable[object]] | None = None,
                  clock_ms: Callable[[], int] = now_ms, shadow: bool = False,
-                 fast_interval_s: float | None = None, load_signals: LoadSignals | None = None) -> None:
+                 fast_interval_s: float | None = None, load_signals: LoadSignals | None = None,
+                 held_requests: HeldRequests | None = None) -> None:
         if fast_interval_s is not None and fast_interval_s <= 0:
             raise ValueError("fast_interval_s must be > 0 (or None)")
         if settle_s < 0:
@@ -220,6 +233,7 @@ class PlannerLoop:
         self.shadow = shadow
         self.fast_interval_s = fast_interval_s
         self.load_signals = load_signals
+        self.held_requests = held_requests
         self.last_fast_ms: int | None = None
         self.fast_commands = 0
         self.lead_time = LeadTimeTracker()
@@ -301,13 +315,19 @@ class PlannerLoop:
             await self.before_query()
         agg = await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(window_s * 1000), t1,
                                         model=self.model)
+        step_s = self.config.reactive_step_window_s
+        step = (await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(step_s * 1000), t1,
+                                          model=self.model)).num_requests if step_s else 0
         waiting, tokens = (await self.load_signals()) if self.load_signals is not None else (0, 0)
+        held, oldest_ms = self.held_requests() if self.held_requests is not None else (0, 0)
         async with self._lock:
             current = await self._counted()
             self.lead_time.on_count(current, now)
             state, effects = on_signals(self.state, LiveSignals(
-                now_ms=now, window_s=window_s, arrivals=agg.num_requests, mean_isl=agg.mean_isl,
-                mean_osl=agg.mean_osl, waiting_requests=waiting, waiting_prefill_tokens=tokens,
+                now_ms=now, window_s=window_s, arrivals=agg.num_requests, step_window_s=step_s or None,
+                step_arrivals=step, mean_isl=agg.mean_isl,
+                mean_osl=agg.mean_osl, waiting_requests=waiting + held, waiting_prefill_tokens=tokens,
+                oldest_wait_ms=oldest_ms,
                 p99_ttft_ms=agg.p99_ttft_ms, p99_itl_ms=agg.p99_itl_ms, finished_requests=agg.num_requests,
                 current_replicas=current,
                 ready_replicas=current, last_scale_up_ms=self.last_fast_ms, startup_s=self.lead_time.startup_s))
@@ -349,8 +369,10 @@ class PlannerLoop:
     async def _decide(self, now: int, t0: int, t1: int, agg: IntervalAggregates) -> TickReport:
         current = await self._counted()
         self.lead_time.on_count(current, now)
+        held = self.held_requests()[0] if self.held_requests is not None else 0
         state, effects = on_tick(self.state, TickInput(now_ms=now, traffic=agg.to_observation(),
-                                                       current_replicas=current, startup_s=self.lead_time.startup_s))
+                                                       current_replicas=current, startup_s=self.lead_time.startup_s,
+                                                       waiting_requests=held))
         commands = tuple(scaling_commands(effects, shadow=self.shadow))
         for command in commands:
             await publish_command(self.producer, self.catalog, command)

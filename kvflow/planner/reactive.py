@@ -9,7 +9,12 @@ ever scales **up**:
 1. **Demand.** The arrival rate and mean ISL/OSL of the last
    ``reactive_window_s`` seconds, sized exactly as the interval path sizes
    its forecast (:func:`~kvflow.planner.core.pool_needs`, with the current
-   correction factors).
+   correction factors). The rate is the higher of the whole window's and
+   a lower bound of that of its last ``reactive_step_window_s`` seconds
+   (:func:`step_rate_lower_bound`): right after a step the whole window
+   still averages in the seconds before it, and the pool would climb to the
+   new rate in several checks instead of one; the bound keeps the Poisson
+   noise of a few seconds' count from scaling up.
 2. **Pressure.** Any of: a request has waited longer than the TTFT target
    without its first token; the waiting prefill tokens exceed what the
    serving replicas compute within one TTFT target at the profile's peak
@@ -21,7 +26,16 @@ ever scales **up**:
    target and there is pressure, or when it reaches ``reactive_jump`` times
    the target (a step in arrivals shows before any queue builds).
    With pressure but no demand excess (longer prompts than the profile
-   assumed, a slow replica), add one replica, at most once per start-up time.
+   assumed, a slow replica), add one replica, only while none is starting
+   and at most once per start-up time plus one window (the last replica
+   added must have served for a window before its effect can show: a
+   backlog built while it started does not by itself call for another).
+   **Cold start**: a pool scaled to zero (``min_*_replicas = 0``) that
+   serves whole requests (aggregated, or decode in disaggregated mode)
+   starts at least one replica as soon as any request waits
+   (``waiting_requests``: the router holds requests for a model no worker
+   serves, ``ShedConfig.cold_start_hold_ms``), without waiting for the
+   TTFT target to pass.
 
 Scaling down stays with the interval path: its hold
 (``scale_down_hold_intervals``) restarts whenever the fast path scales up,
@@ -44,7 +58,7 @@ from kvflow.planner.core import (
 from kvflow.planner.core import pool_needs as _pool_needs
 from kvflow.schemas.workers import WorkerRole
 
-__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS"]
+__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS", "STEP_Z", "step_rate_lower_bound"]
 
 MIN_TAIL_REQUESTS = 50
 """Finished requests a window needs before its p99 TTFT/ITL count as pressure."""
@@ -58,10 +72,14 @@ class LiveSignals:
         now_ms: epoch (or simulated) ms.
         window_s: the window the arrival figures cover, s.
         arrivals: requests that arrived in the window.
+        step_window_s / step_arrivals: the window's last seconds and the
+            requests that arrived in them (``step_window_s`` None: not
+            measured; only the whole window counts).
         mean_isl / mean_osl: their mean prompt / requested output tokens
             (None without arrivals).
         waiting_requests: requests accepted and not yet in an engine step
-            (router queue plus engines' waiting queues).
+            (router queue, including requests held for a cold start, plus
+            engines' waiting queues).
         waiting_prefill_tokens: prompt tokens accepted and not yet computed.
         oldest_wait_ms: age of the oldest request still without its first token, ms.
         p99_ttft_ms / p99_itl_ms: of requests finished in the window (None: none finished).
@@ -69,13 +87,15 @@ class LiveSignals:
         current_replicas: replicas per pool, including starting ones.
         ready_replicas: replicas per pool that serve now.
         last_scale_up_ms: when the fast path last scaled up (None: never),
-            so a pressure-only step waits for its replica to start.
+            so a pressure-only step waits for its replica to start and serve.
         startup_s: measured start-up time (None: the configured one).
     """
 
     now_ms: int
     window_s: float
     arrivals: int
+    step_window_s: float | None = None
+    step_arrivals: int = 0
     mean_isl: float | None = None
     mean_osl: float | None = None
     waiting_requests: int = 0
@@ -88,6 +108,30 @@ class LiveSignals:
     ready_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     last_scale_up_ms: int | None = None
     startup_s: float | None = None
+
+
+_SERVING_ROLES = (WorkerRole.aggregated, WorkerRole.decode)  # pools a request cannot be served without
+
+STEP_Z = 1.0
+"""Standard deviations below a short window's count that :func:`step_rate_lower_bound` takes."""
+
+
+def step_rate_lower_bound(arrivals: int, window_s: float, z: float = STEP_Z) -> float:
+    """A lower bound of the arrival rate (requests/s) behind ``arrivals`` counted over ``window_s`` s.
+
+    Arrivals over a short window are a Poisson count ``k`` of mean ``rate *
+    window_s`` and standard deviation about ``sqrt(k)``; ``(k - z sqrt(k)) /
+    window_s`` (normal approximation; ``z`` = 1, about the 16% quantile)
+    rarely exceeds the true rate, so noise alone seldom looks like a step,
+    while a real step of several times the rate shows within the window
+    (a step to 32 requests/s counted over 2 s: 64 arrivals, bound 24 requests/s).
+
+    Raises:
+        ValueError: ``window_s <= 0``.
+    """
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    return max(0.0, arrivals - z * math.sqrt(arrivals)) / window_s
 
 
 def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | None:
@@ -122,7 +166,10 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
     """
     cfg = state.config
     if sig.arrivals > 0 and sig.mean_isl and sig.mean_osl and sig.window_s > 0:
-        pred = Prediction(request_rate_per_s=sig.arrivals / sig.window_s, isl=sig.mean_isl, osl=sig.mean_osl,
+        rate = sig.arrivals / sig.window_s
+        if sig.step_window_s:
+            rate = max(rate, step_rate_lower_bound(sig.step_arrivals, sig.step_window_s))
+        pred = Prediction(request_rate_per_s=rate, isl=sig.mean_isl, osl=sig.mean_osl,
                           kv_hit_rate=state.kv_hit_rate)
         needs = _pool_needs(state, pred)
     else:
@@ -136,15 +183,20 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
         target = max(current, state.targets.get(pool, current))
         need = max(cfg.min_replicas(pool), math.ceil(needs[pool][0] - 1e-9))
         why = _pressure(state, sig, pool)
-        if need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
+        if target == 0 and sig.waiting_requests > 0 and pool in _SERVING_ROLES:
+            raised[pool] = max(1, need)
+            notes[pool] = (f"reactive cold start 0 -> {raised[pool]}: {sig.waiting_requests} requests wait "
+                           f"with no replica (demand needs {needs[pool][0]:.2f})")
+        elif need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
             raised[pool] = need
-            notes[pool] = (f"reactive scale up {target} -> {need}: {sig.arrivals} arrivals in "
-                           f"{sig.window_s:g} s need {needs[pool][0]:.2f}"
+            notes[pool] = (f"reactive scale up {target} -> {need}: {pred.request_rate_per_s:.1f} req/s "
+                           f"({sig.arrivals} in {sig.window_s:g} s, {sig.step_arrivals} in the last "
+                           f"{sig.step_window_s or 0:g} s) need {needs[pool][0]:.2f}"
                            + (f"; {why}" if why else f" >= {cfg.reactive_jump:g} x {target}")
                            + f" ({needs[pool][1]})")
-        elif why is not None and need <= target and (
-                sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= max(startup_ms, 1000.0 *
-                                                                                         sig.window_s)):
+        elif why is not None and need <= target and sig.ready_replicas.get(pool, 0) >= current and (
+                sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= startup_ms + 1000.0 *
+                sig.window_s):
             raised[pool] = target + 1
             notes[pool] = f"reactive scale up {target} -> {target + 1}: {why} (demand needs {needs[pool][0]:.2f})"
     if not raised:

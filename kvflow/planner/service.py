@@ -36,7 +36,7 @@ from clickhouse_connect.driver.client import Client
 from kvflow.planner.clickhouse import ensure_schema, open_client
 from kvflow.planner.connectors import Connector, ConnectorService
 from kvflow.planner.core import PlannerConfig
-from kvflow.planner.loop import LoadSignals, PlannerLoop, ReplicaCounter
+from kvflow.planner.loop import HeldRequests, LoadSignals, PlannerLoop, ReplicaCounter
 from kvflow.planner.profile import Profile
 from kvflow.planner.sink_service import SinkService
 from kvflow.settings import Settings
@@ -165,6 +165,7 @@ class PlannerServices:
             connector runs, so nothing scales.
         fast_interval_s: seconds between the loop's fast-path checks (None: none).
         load_signals: the workers' waiting load for the fast path (None: not used).
+        held_requests: the router's held requests for the fast path (None: not used).
     """
 
     settings: Settings
@@ -180,6 +181,7 @@ class PlannerServices:
     shadow: bool = False
     fast_interval_s: float | None = 2.0
     load_signals: LoadSignals | None = None
+    held_requests: HeldRequests | None = None
     clickhouse: SharedClickHouse | None = field(default=None, init=False)
     sink: SinkService | None = field(default=None, init=False)
     loop: PlannerLoop | None = field(default=None, init=False)
@@ -204,7 +206,8 @@ class PlannerServices:
             self.loop = PlannerLoop(self.settings, catalog, self.clickhouse, self.config, self.profile,
                                     self.current_replicas, model=self.model, settle_s=self.settle_s,
                                     before_query=self.sink.flush, shadow=self.shadow,
-                                    fast_interval_s=self.fast_interval_s, load_signals=self.load_signals)
+                                    fast_interval_s=self.fast_interval_s, load_signals=self.load_signals,
+                                    held_requests=self.held_requests)
             await self.loop.start()
         except Exception:
             await self.stop()

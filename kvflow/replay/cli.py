@@ -63,6 +63,7 @@ from kvflow.cli_options import (
     ShedKvThresholdOpt,
     ShedModeOpt,
     ShedPrefillTokenThresholdOpt,
+    ShedColdStartHoldOpt,
     ShedQueueCapacityOpt,
     ShedQueueOrderOpt,
     StateFileOpt,
@@ -121,6 +122,7 @@ def replay(
     shed_queue_order: ShedQueueOrderOpt = None,
     shed_kv_threshold: ShedKvThresholdOpt = None,
     shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
+    shed_cold_start_hold_s: ShedColdStartHoldOpt = None,
     pool_workers: Annotated[Optional[str], typer.Option(
         help="offline: simulated aggregated workers per worker pool, NAME=N[,NAME=N...] (beside --workers, "
              "which join the default pool); the report gives each pool's figures")] = None,
@@ -168,7 +170,9 @@ def replay(
         min=0, help="offline: simulated seconds a worker the planner starts needs before it takes requests")] = 0.0,
     scale_down_hold_intervals: Annotated[int, typer.Option(
         min=1, help="planner: intervals a lower need must last before scaling down")] = 3,
-    min_workers: Annotated[int, typer.Option(min=1, help="planner: fewest workers")] = 1,
+    min_workers: Annotated[int, typer.Option(
+        min=0, help="planner: fewest workers (0: scale to zero; with --shed-mode queue --shed-cold-start-hold-s)")
+    ] = 1,
     max_workers: Annotated[int, typer.Option(min=1, help="planner: most workers (and static-peak search cap)")] = 16,
     sla_target: Annotated[float, typer.Option(help="planner: SLA attainment the static-peak pool must reach")] = 0.99,
     profile_kind: Annotated[str, typer.Option(
@@ -249,7 +253,8 @@ def replay(
                   if v is not None}
     shedding = {k: v for k, v in (("shed_mode", shed_mode), ("shed_queue_capacity", shed_queue_capacity),
                                   ("shed_queue_order", shed_queue_order), ("shed_kv_threshold", shed_kv_threshold),
-                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold)) if v is not None}
+                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold),
+                                  ("shed_cold_start_hold_s", shed_cold_start_hold_s)) if v is not None}
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig
@@ -277,7 +282,8 @@ def replay(
                                     workers, sla_target, profile_kind, ttft_statistic=ttft_statistic,
                                     itl_statistic=itl_statistic,
                                     correction_smoothing=1.0 if correction_smoothing is None else correction_smoothing,
-                                    worker_startup_s=worker_startup_s)
+                                    worker_startup_s=worker_startup_s,
+                                    pools=bool(pool_workers or prefill_workers or decode_workers))
             report = run_offline(trace, workers=workers, policy=settings.routing_policy, seed=seed, speedup=speedup,
                                  rate=rate, mocker_config=MockerConfig(
                                      speedup_ratio=speedup_ratio, kv_host_bytes=int(settings.kv_host_gb * (1 << 30)),
@@ -381,14 +387,16 @@ def _planner_options(planner: str, ttft_ms: float, itl_ms: float, predictor: str
 
     Raises:
         ValueError: unknown planner or profile kind, ``--workers`` outside
-            ``[--min-workers, --max-workers]``, or invalid planner settings.
+            ``[--min-workers, --max-workers]`` (0 is fine beside worker pools or
+            prefill/decode workers, ``tuning["pools"]``), or invalid planner settings.
     """
     if planner == "none":
         return {}
     if planner != "sla":
         raise ValueError(f"--planner must be none or sla, not {planner!r}")
-    if not min_workers <= workers <= max_workers:
+    if not min_workers <= workers <= max_workers and not (workers == 0 and tuning.pop("pools", False)):
         raise ValueError(f"--workers {workers} (the starting pool) must lie in [{min_workers}, {max_workers}]")
+    tuning.pop("pools", None)
     from kvflow.planner.core import PlannerConfig, PlannerMode
 
     config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=interval_s,

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvflow.planner.core import PlannerConfig
+from kvflow.planner.core import PlannerConfig, PlannerMode
+from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.profile import Profile
 from kvflow.replay.compare import compare_reports
-from kvflow.replay.planner_eval import evaluate_planner, replica_hours, worker_lifetimes
+from kvflow.replay.planner_eval import evaluate_planner, profile_for, replica_hours, worker_lifetimes
 from kvflow.replay.plots import latency_samples, write_plots
+from kvflow.replay.pool_planner import run_pool_planner
 from kvflow.replay.pool_report import pool_report
 from kvflow.replay.report import Report, RequestRecord, build_report, disagg_summary, render_markdown, write_json
 from kvflow.replay.simulator import KvEventHook, SimConfig, SimResult, simulate
@@ -29,6 +31,7 @@ from kvflow.router.disagg import DisaggConfig
 from kvflow.router.kv_policy import KvPolicyConfig
 from kvflow.router.pools import PoolGrid
 from kvflow.router.shedding import ShedConfig
+from kvflow.schemas import WorkerRole
 from kvflow.workers.engines.mocker_core import MockerConfig
 
 __all__ = ["run_offline", "write_outputs", "compare_reports"]
@@ -127,6 +130,12 @@ def run_offline(
             plans for; attainment is judged at ``sla_ttft_ms``/``sla_itl_ms``.
             The report describes the planner run and adds the static-peak and
             static-mean baselines (:func:`~kvflow.replay.planner_eval.evaluate_planner`).
+            With worker pools (``pool_workers``) or prefill/decode workers,
+            one planner per pool sizes it from its own load instead
+            (:func:`~kvflow.replay.pool_planner.run_pool_planner`: every pool
+            with ``planner``'s settings; disaggregated, its minimum applies to
+            the prefill and the decode pool); the report's ``pools`` then add
+            each pool's planner figures, and no static baseline is run.
         max_workers: with ``planner``: upper end of the static-peak search
             (set ``planner.max_gpus`` to cap the planner itself).
         sla_target: with ``planner``: SLA attainment the static-peak pool must reach.
@@ -165,8 +174,7 @@ def run_offline(
         TraceFormatError: malformed trace. KeyError: unknown policy.
         FileNotFoundError: no trace file.
         ValueError: a planner setting is invalid (see ``evaluate_planner``),
-            ``kv_hook`` was given with ``planner``, the planner was asked for
-            a disaggregated run or worker pools, or the worker counts are invalid.
+            ``kv_hook`` was given with ``planner``, or the worker counts are invalid.
     """
     trace = read_trace(trace_path, speedup=speedup, start_ms=start_ms, end_ms=end_ms, limit=limit, rate=rate,
                        seed=seed)
@@ -181,8 +189,10 @@ def run_offline(
         if kv_hook is not None:
             raise ValueError("kv_hook is not supported together with the planner")
         if prefill_workers or decode_workers or pool_workers:
-            raise ValueError("the offline SLA planner sizes one aggregated pool only; drop the prefill/decode "
-                             "workers and the worker pools")
+            return _run_pool_planners(trace, config, planner, sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms,
+                                      profile=profile, profile_kind=profile_kind, json_path=json_path,
+                                      markdown_path=markdown_path, plot_dir=plot_dir,
+                                      reactive_interval_s=reactive_interval_s)
         return _run_offline_planner(trace, config, planner, max_workers=max_workers, sla_target=sla_target,
                                     sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, profile=profile,
                                     profile_kind=profile_kind, progress=progress, json_path=json_path,
@@ -210,6 +220,47 @@ def run_offline(
             "disagg": summary,
             "options": {**report.options, "prefill_workers": prefill_workers, "decode_workers": decode_workers,
                         "aggregated_workers": workers}})
+    write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
+                  plot_dir=plot_dir)
+    return report
+
+
+def _run_pool_planners(trace: Trace, config: SimConfig, planner: PlannerConfig, *, sla_ttft_ms: float,
+                       sla_itl_ms: float, profile: Profile | None, profile_kind: str,
+                       json_path: str | Path | None, markdown_path: str | Path | None, plot_dir: str | Path | None,
+                       reactive_interval_s: float | None) -> Report:
+    """The planner branch of :func:`run_offline` for worker pools or a disaggregated run:
+    one planner per pool (:func:`~kvflow.replay.pool_planner.run_pool_planner`), each
+    starting from the pool's configured workers."""
+    t_start = time.perf_counter()
+    mocker = dataclasses.replace(config.mocker or MockerConfig(), seed=config.seed)
+    if profile is None:
+        osl = float(np.mean([r.osl for r in trace.requests])) if trace.requests else 256.0
+        profile = profile_for(mocker, profile_kind, osl=max(2.0, osl))
+    if config.prefill_workers or config.decode_workers:
+        lo = planner.min_aggregated_replicas
+        configs = {"": dataclasses.replace(planner, mode=PlannerMode.disaggregated, min_prefill_replicas=lo,
+                                           min_decode_replicas=lo)}
+        initial = {"": {WorkerRole.prefill: config.prefill_workers, WorkerRole.decode: config.decode_workers}}
+    else:
+        initial = {pool: {WorkerRole.aggregated: n} for pool, n in config.pool_workers.items()}
+        if config.workers:
+            initial[""] = {WorkerRole.aggregated: config.workers}
+        configs = {pool: planner for pool in initial}
+    sim = dataclasses.replace(config, workers=0, prefill_workers=0, decode_workers=0, pool_workers={})
+    run = run_pool_planner(trace, sim, configs, PerfModel.from_profile(profile), initial=initial,
+                           sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, fast_interval_s=reactive_interval_s)
+    res = run.result
+    report = build_report(
+        res.records, res.itl_gaps_ms, mode="offline", trace=trace.name, trace_format=trace.format,
+        policy=config.policy, workers=res.worker_ids, seed=config.seed, sla_ttft_ms=sla_ttft_ms,
+        sla_itl_ms=sla_itl_ms, block_size=mocker.block_size,
+        total_kv_blocks=mocker.num_kv_blocks * len(res.worker_ids), busy_ms=res.busy_ms, timeline=res.timeline,
+        wall_time_s=time.perf_counter() - t_start, options=_options(trace, config, res), **_router_counts(res),
+    )
+    served = pool_report(res.records, res.worker_pools)
+    pools = {name: {**served.get(name, {}), "planner": figures.as_dict()} for name, figures in run.pools.items()}
+    report = report.model_copy(update={"replica_hours": run.replica_hours, "pools": pools, **_tier_fields(res)})
     write_outputs(report, res.records, res.itl_gaps_ms, json_path=json_path, markdown_path=markdown_path,
                   plot_dir=plot_dir)
     return report

@@ -55,7 +55,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from kvflow.planner.core import PlannerConfig, PlannerMode, PlannerState, TickInput, initial_state, on_tick
+from kvflow.planner.core import (
+    PlannerConfig, PlannerMode, PlannerState, Prediction, TickInput, initial_state, on_tick, pool_needs,
+)
 from kvflow.planner.interpolation import PerfModel
 from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile, run_profile
 from kvflow.planner.reactive import LiveSignals, on_signals
@@ -77,6 +79,7 @@ __all__ = [
     "worker_lifetimes",
     "replica_hours",
     "replica_steps",
+    "warm_start_replicas",
     "run_with_planner",
     "run_static",
     "smallest_static_pool",
@@ -247,7 +250,8 @@ class SlaPlannerHook:
         window_ms = self.config.reactive_window_s * 1000.0
         if self._arrivals is None:
             self._arrivals = np.fromiter((r.arrival_ms for r in sim.requests), dtype=np.float64)
-        lo, hi = np.searchsorted(self._arrivals, [now_ms - window_ms, now_ms], side="right")
+        step_ms = self.config.reactive_step_window_s * 1000.0
+        lo, mid, hi = np.searchsorted(self._arrivals, [now_ms - window_ms, now_ms - step_ms, now_ms], side="right")
         recent = sim.requests[lo:hi]
         # the router's held requests count as waiting (their age shows in oldest_wait_ms)
         waiting, tokens = (len(sim.core.queue) if sim.core.queue is not None else 0), 0
@@ -272,6 +276,7 @@ class SlaPlannerHook:
         self._ready_samples.append(ready)
         return LiveSignals(
             now_ms=int(now_ms), window_s=self.config.reactive_window_s, arrivals=len(recent),
+            step_window_s=self.config.reactive_step_window_s or None, step_arrivals=int(hi - mid),
             mean_isl=_mean([r.isl for r in recent]), mean_osl=_mean([r.osl for r in recent]),
             waiting_requests=waiting, waiting_prefill_tokens=tokens, oldest_wait_ms=oldest,
             p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1], finished_requests=len(ttft),
@@ -298,7 +303,8 @@ class SlaPlannerHook:
         ready = sum(samples) / len(samples)
         self.state, effects = on_tick(self.state, TickInput(
             now_ms=int(now_ms), traffic=agg.to_observation(), current_replicas={self.role: len(serving)},
-            serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms)))
+            serving_replicas={self.role: ready}, startup_s=self.measured_startup_s(sim, now_ms),
+            waiting_requests=len(sim.core.queue) if sim.core.queue is not None else 0))
         decision = effects.decisions[0]
         self._apply(sim, serving, decision.target_replicas, now_ms)
         self._window_start_ms = t1
@@ -381,6 +387,35 @@ class PlannerRun:
     def max_replicas(self) -> int:
         """Most workers live at once."""
         return max((s.live for s in replica_steps(self.lifetimes)), default=0)
+
+
+def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfModel) -> int:
+    """The pool a planner already running when ``trace`` begins would hold.
+
+    A trace is a slice of traffic that was arriving before it: a deployment
+    whose planner ran then holds a pool sized for that load, not its
+    minimum. This sizes the pool as the planner core sizes a forecast
+    (:func:`~kvflow.planner.core.pool_needs`, corrections 1, no cached
+    prompt tokens) for the rate, mean ISL and mean OSL of the requests that
+    arrive in the first ``config.adjustment_interval_s`` seconds, rounded
+    up and kept within the pool's minimum and ``config.max_gpus`` replicas.
+
+    Raises:
+        ValueError: ``config`` is not in aggregated mode, or the profile has no
+            feasible point at the first interval's lengths.
+    """
+    if config.mode is not PlannerMode.aggregated:
+        raise ValueError("warm_start_replicas sizes the aggregated pool; use PlannerConfig(mode='aggregated')")
+    interval_ms = config.adjustment_interval_s * 1000.0
+    first = [r for r in trace.requests if r.arrival_ms < interval_ms]
+    lo = config.min_replicas(WorkerRole.aggregated)
+    if not first:
+        return lo
+    pred = Prediction(request_rate_per_s=len(first) / config.adjustment_interval_s,
+                      isl=float(np.mean([r.isl for r in first])), osl=float(np.mean([r.osl for r in first])),
+                      kv_hit_rate=0.0)
+    need, _ = pool_needs(initial_state(config, perf), pred)[WorkerRole.aggregated]
+    return min(config.max_gpus, max(lo, math.ceil(need - 1e-9)))
 
 
 def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfModel, *,

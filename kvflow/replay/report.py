@@ -318,7 +318,10 @@ class Report(BaseModel):
     offload/onboard counters (:class:`~kvflow.workers.kv.tiers.TierStats`;
     None without host or disk tier). All three are None online.
     ``pools``: offline with worker pools, the figures of each pool
-    (:func:`kvflow.replay.pool_report.pool_report`); None otherwise.
+    (:func:`kvflow.replay.pool_report.pool_report`); with the planner also
+    under ``planner`` its per-pool figures
+    (:meth:`kvflow.replay.pool_planner.PoolFigures.as_dict`: SLA attainment,
+    replica-hours and workers per role); None otherwise.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -683,9 +686,19 @@ def render_markdown(report: Report) -> str:
         lines += ["", "| pool | completed | failed | mean ISL | TTFT p50 / p99 (ms) | mean ITL p50 / p99 (ms) |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name, p in r.pools.items():
+            if "completed" not in p:  # a planned pool that served nothing
+                continue
             lines.append(f"| {name or '(default)'} | {p['completed']:,} | {p['failed']:,} | {p['isl_mean']:,.0f} | "
                          f"{_f(p['ttft_p50_ms'])} / {_f(p['ttft_p99_ms'])} | {_f(p['itl_p50_ms'])} / "
                          f"{_f(p['itl_p99_ms'])} |")
+        planned = {name: p["planner"] for name, p in r.pools.items() if "planner" in p}
+        if planned:
+            lines += ["", "| pool (planner) | role | SLA attainment | replica-hours | workers mean / max |",
+                      "|---|---|---:|---:|---:|"]
+            for name, f in planned.items():
+                for role, hours in f["replica_hours"].items():
+                    lines.append(f"| {name or '(default)'} | {role} | {f['sla_attainment']:.2%} | {hours:.3f} | "
+                                 f"{f['mean_workers'][role]:.2f} / {f['max_workers'][role]} |")
     lines += ["", "| latency (ms) | p50 | p90 | p99 | mean | count |", "|---|---:|---:|---:|---:|---:|"]
     for name, s in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("TPOT", r.tpot_ms), ("e2e", r.e2e_ms),
                     ("queue", r.queue_ms)):

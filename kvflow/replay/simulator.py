@@ -165,7 +165,7 @@ class SimConfig:
 
     Attributes:
         workers: aggregated workers at start (>= 0; with ``decode_workers``
-            at least one of the two). Defaults to ``8``.
+            at least one of the two, unless a planner starts them). Defaults to ``8``.
         policy: routing policy name (:data:`kvflow.router.policies.POLICIES`).
             Defaults to ``"round_robin"``.
         seed: seeds the engines' output tokens. Defaults to ``0``.
@@ -361,7 +361,9 @@ class Simulation:
 
     Raises:
         KeyError: unknown policy.
-        ValueError: a negative worker count, or no aggregated and no decode worker.
+        ValueError: a negative worker count, or no aggregated and no decode worker
+            and no planner (a pool may start empty when a planner starts its
+            workers; its requests are held with ``ShedConfig.cold_start_hold_ms``).
     """
 
     def __init__(self, trace: Trace | Iterable[TraceRequest], config: SimConfig | None = None, *,
@@ -370,8 +372,9 @@ class Simulation:
         self.config = config = config or SimConfig()
         if min(config.workers, config.prefill_workers, config.decode_workers, *config.pool_workers.values()) < 0:
             raise ValueError("worker counts must be >= 0")
-        if config.workers + config.decode_workers + sum(config.pool_workers.values()) < 1:
-            raise ValueError(f"workers must be >= 1 (or decode_workers >= 1), got {config.workers}")
+        if config.workers + config.decode_workers + sum(config.pool_workers.values()) < 1 and planner is None:
+            raise ValueError(f"workers must be >= 1 (or decode_workers >= 1) without a planner to start them, "
+                             f"got {config.workers}")
         if config.workers and config.decode_workers:
             log.warning("%d aggregated workers beside %d decode workers get no requests: the disaggregation "
                         "rule decodes on the decode pool whenever it has a worker", config.workers,
@@ -766,8 +769,10 @@ class Simulation:
         try:
             while True:
                 t_arr = reqs[i].arrival_ms if i < n else inf
-                # Ticks alone do not keep the simulation alive.
-                live_heap = heap and (self._foreground > 0 or any(w.stepping for w in self.workers.values()))
+                # Ticks alone do not keep the simulation alive, unless the router holds requests
+                # (a pool at zero: the planner's next tick starts the worker that serves them).
+                live_heap = heap and (self._foreground > 0 or any(w.stepping for w in self.workers.values())
+                                      or bool(self.core.queue))
                 if t_arr == inf and not live_heap:
                     break
                 t_next = t_arr if not heap or t_arr <= heap[0][0] else heap[0][0]

@@ -52,6 +52,18 @@ that lag the requests just released; it drops those whose deadline passed
 (504) and rejects those whose model no worker serves any more (503,
 so they do not block the queue's head).
 
+**Cold start** (``ShedConfig.cold_start_hold_ms``, queue mode): a request
+for a model that no worker serves is held instead of rejected — a pool
+scaled to zero, whose first worker the planner is starting. Each tick
+leaves such requests in the queue (they do not block the requests of
+models that have workers) until a worker registers, and rejects them (503
+``no_workers``) once held longer than the hold. Once a worker serves their
+model they are released as they would have been routed on arrival: by the
+busy test alone, without the one-per-worker-per-tick bound (they did not
+queue behind busy workers), and arrivals from then on do not queue behind
+them (for at most one tick, a new arrival may go ahead of them). :meth:`RouterCore.held`
+tells a planner how many requests are held and for how long.
+
 In ``priority`` queue order (:mod:`kvflow.router.fair_queue`) the queue
 serves by priority class, then per-tenant fair share, then earliest
 deadline; an arrival of a higher class than every held request goes to a
@@ -272,7 +284,7 @@ Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
 
 COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
             "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired", "displaced",
-            "jumped", "session_hits", "pool_fallbacks")
+            "jumped", "session_hits", "pool_fallbacks", "cold_held")
 """The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
 includes ``queue_timeouts``, held requests dropped at their deadline), held requests
 ``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
@@ -280,7 +292,8 @@ includes ``queue_timeouts``, held requests dropped at their deadline), held requ
 held requests ``displaced`` by a higher-ranked arrival (also in ``shed``) and arrivals that
 ``jumped`` a queue of lower classes; routed requests sent to their session's worker
 (``session_hits``); with a pool grid, requests whose decode pool had no worker and went to any
-pool (``pool_fallbacks``)."""
+pool (``pool_fallbacks``); arrivals held because no worker served their model
+(``cold_held``, also in ``queued``; ``cold_start_hold_ms``)."""
 
 
 class RouterCore:
@@ -339,6 +352,8 @@ class RouterCore:
         self.sessions = SessionTable()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._started_ms: dict[str, int] = {}
+        self._held_ms: dict[str, int] = {}  # request id -> when it was queued (every held request)
+        self._cold: set[str] = set()  # held requests queued because no worker served their model
 
     # ---- inputs: the log ---------------------------------------------------
 
@@ -418,6 +433,8 @@ class RouterCore:
             return []
         gone = queue.remove(lambda a: a.request_id == request_id)
         self.counters["queue_cancelled"] += len(gone)
+        self._held_ms.pop(request_id, None)
+        self._cold.discard(request_id)
         return [Cancelled(a) for a in gone]
 
     # ---- decisions -----------------------------------------------------------
@@ -464,8 +481,18 @@ class RouterCore:
         candidates = table.candidates(arrival.model, role)
         queue = self.queue
         cfg = self.shed_config.for_priority(arrival.priority)
-        verdict = shed(candidates, cfg, queued=len(queue) if queue is not None else 0)
+        # Requests held for a cold start did not queue behind busy workers: an arrival does not wait for them.
+        verdict = shed(candidates, cfg, queued=len(queue) - len(self._cold) if queue is not None else 0)
         action = verdict.action
+        if action is ShedAction.queue and len(queue) >= cfg.queue_capacity:
+            action = ShedAction.reject  # full of requests held for a cold start
+        if not candidates and self.shed_config.cold_start_hold_ms is not None and queue is not None \
+                and len(queue) < self.shed_config.queue_capacity:
+            self._hold(arrival, now_ms)
+            self._cold.add(arrival.request_id)
+            self.counters["cold_held"] += 1
+            return Decision(DecisionOutcome.queued, arrival, role, now_ms, expired=expired,
+                            reason="no worker serves the model yet: held while one starts")
         if action is ShedAction.route or not candidates:
             return self._dispatch(arrival, role, candidates, verdict.candidates, now_ms, expired)
         if self.prioritized and action is ShedAction.queue and queue and arrival.priority > queue.peek_priority():
@@ -476,9 +503,7 @@ class RouterCore:
                 return self._dispatch(arrival, role, candidates, free, now_ms, expired)
         reason = f"all workers are busy ({verdict.reason})"
         if action is ShedAction.queue:  # shed() queues only while the queue has room
-            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms, priority=arrival.priority,
-                       tenant=arrival.tenant)
-            self.counters["queued"] += 1
+            self._hold(arrival, now_ms)
             return Decision(DecisionOutcome.queued, arrival, role, now_ms, reason=reason, expired=expired)
         if self.prioritized and queue:
             try:
@@ -487,6 +512,9 @@ class RouterCore:
             except QueueFull:
                 victim = None
             else:
+                self._held_ms[arrival.request_id] = now_ms
+                self._held_ms.pop(victim.request_id, None)
+                self._cold.discard(victim.request_id)
                 self.counters["queued"] += 1
                 self.counters["shed"] += 1
                 self.counters["displaced"] += 1
@@ -538,6 +566,16 @@ class RouterCore:
 
     # ---- queries for adapters -------------------------------------------------
 
+    def held(self, now_ms: int) -> tuple[int, int]:
+        """Requests held in the queue now and the age of the oldest, ms (``(0, 0)``: none).
+
+        A planner reads this to see demand no worker serves yet: requests
+        held for a cold start show here before any of them finishes.
+        """
+        if not self._held_ms:
+            return 0, 0
+        return len(self._held_ms), max(0, now_ms - min(self._held_ms.values()))
+
     def kv_lagging(self, worker_ids: Sequence[str] | None = None) -> list[str]:
         """Workers whose finished requests' KV events the index has not folded yet
         (:func:`~kvflow.router.inflight.kv_lagging`; default: every worker in the table)."""
@@ -567,6 +605,18 @@ class RouterCore:
             if isinstance(index, KvIndex):
                 index.remove_worker(worker_id)
         return tuple(gone)
+
+    def _hold(self, arrival: Arrival, now_ms: int) -> None:
+        """Put ``arrival`` in the queue (which has room) and note when."""
+        self.queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms, priority=arrival.priority,
+                        tenant=arrival.tenant)
+        self._held_ms[arrival.request_id] = now_ms
+        self.counters["queued"] += 1
+
+    def _cold_waiting(self, arrival: Arrival, now_ms: int) -> bool:
+        """Whether ``arrival`` (whose model has no serving worker) stays held for a cold start."""
+        hold = self.shed_config.cold_start_hold_ms
+        return hold is not None and now_ms - self._held_ms.get(arrival.request_id, now_ms) <= hold
 
     def _dispatch(self, arrival: Arrival, role: WorkerRole, candidates: list[WorkerView],
                   free: Sequence[WorkerView], now_ms: int, expired: tuple[str, ...] = ()) -> Decision:
@@ -630,29 +680,42 @@ class RouterCore:
         """Shed held requests past their deadline, then release the others in queue order."""
         queue, table = self.queue, self.table
         for arrival in queue.pop_expired(now_ms):
+            self._held_ms.pop(arrival.request_id, None)
+            self._cold.discard(arrival.request_id)
             self.counters["shed"] += 1
             self.counters["queue_timeouts"] += 1
             reason = "deadline passed while queued for a free worker"
             effects.append(Decision(DecisionOutcome.shed, arrival, decode_role(table, arrival.model), now_ms,
                                     reason=reason, error=ErrorReply(504, "deadline_exceeded", reason)))
         released = 0
+        parked: list[Arrival] = []  # held for a cold start: back in the queue after this tick
         while queue:
             arrival = queue.peek()
             choice = self._enter_pools(arrival) if self.pool_grid is not None else None
             try:
                 role = decode_role(table, arrival.model)
                 candidates = table.candidates(arrival.model, role)
+                cold = arrival.request_id in self._cold
                 if candidates:
-                    if released >= len(candidates):
+                    if released >= len(candidates) and not cold:
                         break  # heartbeats lag: one per worker per tick
                     verdict = shed(candidates, self.shed_config.for_priority(arrival.priority))
                     if verdict.action is not ShedAction.route:
                         break  # every worker (of its pool) still busy
-                    released += 1
+                    # A cold-start request goes as it would have on arrival, had the worker been there.
+                    released += not cold
                     self.counters["released"] += 1
+                elif self._cold_waiting(arrival, now_ms):
+                    parked.append(queue.pop())
+                    continue
                 queue.pop()
+                self._held_ms.pop(arrival.request_id, None)
+                self._cold.discard(arrival.request_id)
                 decision = self._dispatch(arrival, role, candidates, verdict.candidates if candidates else (),
                                           now_ms)
             finally:
                 table.pools = None
             effects.append(decision if choice is None else replace(decision, pools=choice))
+        for arrival in parked:  # in their order; they never exceed the room they just left
+            queue.push(arrival, isl=arrival.isl, deadline_ms=arrival.deadline_ms, priority=arrival.priority,
+                       tenant=arrival.tenant)

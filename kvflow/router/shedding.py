@@ -104,6 +104,12 @@ class ShedConfig:
             preempt by class). Defaults to ``0.0`` (no reserve).
         reserve_priority: the lowest class the reserve is kept for.
             Defaults to ``1`` (above the default class 0).
+        cold_start_hold_ms: ``queue`` mode only: a request for a model that
+            no worker serves is held in the queue for up to this many ms
+            instead of being answered 503 ``no_workers`` at once, so a pool
+            scaled to zero serves it once the worker the planner starts
+            registers. Held longer, it is answered 503 ``no_workers``.
+            None: no hold (503 at once). Defaults to ``None``.
 
     Raises:
         ValueError: a threshold or bound out of range.
@@ -120,13 +126,14 @@ class ShedConfig:
     retry_after_max_s: int = 60
     reserve_fraction: float = 0.0
     reserve_priority: int = 1
+    cold_start_hold_ms: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Any) -> "ShedConfig":
         """The shedding settings of :class:`kvflow.settings.Settings` (``shed_kv_threshold``,
         ``shed_prefill_token_threshold``, ``shed_mode``, ``shed_queue_capacity``,
-        ``shed_queue_order``, ``shed_reserve_fraction``, ``shed_reserve_priority``);
-        the other fields keep their defaults.
+        ``shed_queue_order``, ``shed_reserve_fraction``, ``shed_reserve_priority``,
+        ``shed_cold_start_hold_s``); the other fields keep their defaults.
 
         Raises:
             ValueError: a value out of range.
@@ -135,7 +142,9 @@ class ShedConfig:
                    prefill_token_threshold=settings.shed_prefill_token_threshold, mode=settings.shed_mode,
                    queue_capacity=settings.shed_queue_capacity, queue_order=settings.shed_queue_order,
                    reserve_fraction=settings.shed_reserve_fraction,
-                   reserve_priority=settings.shed_reserve_priority)
+                   reserve_priority=settings.shed_reserve_priority,
+                   cold_start_hold_ms=(None if settings.shed_cold_start_hold_s is None
+                                       else int(settings.shed_cold_start_hold_s * 1000)))
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_threshold <= 1.0:
@@ -151,6 +160,8 @@ class ShedConfig:
         if not 0.0 <= self.reserve_fraction < 1.0:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
         object.__setattr__(self, "mode", ShedMode(self.mode))
+        if self.cold_start_hold_ms is not None and (self.cold_start_hold_ms < 0 or self.mode is not ShedMode.queue):
+            raise ValueError("cold_start_hold_ms must be >= 0 and needs mode='queue' (held requests wait in the queue)")
         object.__setattr__(self, "queue_order", QueueOrder(self.queue_order))
         below = self
         if self.reserve_fraction > 0:

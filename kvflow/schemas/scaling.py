@@ -11,8 +11,9 @@ __all__ = ["ScalingCommand"]
 
 
 class ScalingCommand(Record):
-    """Set ``pool`` to ``target_replicas`` workers. ``decision_id`` is unique per
-    planner decision; connectors apply each id at most once."""
+    """Set ``pool`` (the workers of one role) of worker pool ``worker_pool`` to
+    ``target_replicas`` workers. ``decision_id`` is unique per planner decision;
+    connectors apply each id at most once."""
 
     decision_id: str
     pool: WorkerRole
@@ -24,3 +25,14 @@ class ScalingCommand(Record):
     """An advisory decision (``kvflow planner --planner-mode shadow``): what the
     planner would do; connectors do not act on it. Added without a schema
     version bump: older readers ignore it, older planners leave it out (False)."""
+    worker_pool: str = ""
+    """The worker pool (:mod:`kvflow.router.pools`; ``""``: the default pool) whose
+    ``pool`` role this sizes: a planner sizing several pools sends one command
+    per pool and role. Added without a schema version bump: older planners
+    leave it out (the default pool)."""
+
+    @property
+    def unit(self) -> tuple[str, WorkerRole]:
+        """``(worker_pool, pool)``: what one command sizes; a connector applies
+        the commands of each unit in order, latest winning."""
+        return self.worker_pool, self.pool

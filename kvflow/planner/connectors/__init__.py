@@ -16,7 +16,8 @@ A connector is anything with ``name`` and ``async apply(command) -> int``
   republished record applies a decision twice. A command lost to a crash
   mid-apply is not retried; the planner re-issues the target on its next
   tick if the pool still differs.
-* **Latest wins, per pool.** Each pool has one applier task. A command that
+* **Latest wins, per pool.** Each pool (each role of each worker pool,
+  :attr:`ScalingCommand.unit`) has one applier task. A command that
   arrives while an older one is being applied (a scale-down waiting for a
   drain) replaces any command still queued for that pool; commands older
   (``ts_ms``) than the last one accepted for the pool are dropped.
@@ -119,10 +120,10 @@ class ConnectorService:
         self.skipped: list[tuple[str, str]] = []
         """(decision_id, why) of commands not executed, oldest first (bounded)."""
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._last_ts: dict[WorkerRole, int] = {}
-        self._queued: dict[WorkerRole, ScalingCommand] = {}
-        self._wakeups: dict[WorkerRole, asyncio.Event] = {}
-        self._appliers: dict[WorkerRole, asyncio.Task] = {}
+        self._last_ts: dict[tuple[str, WorkerRole], int] = {}
+        self._queued: dict[tuple[str, WorkerRole], ScalingCommand] = {}
+        self._wakeups: dict[tuple[str, WorkerRole], asyncio.Event] = {}
+        self._appliers: dict[tuple[str, WorkerRole], asyncio.Task] = {}
         self._applying: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
 
@@ -191,26 +192,27 @@ class ConnectorService:
             return self._skip(command, "decision already applied")
         if self.max_age_s is not None and now_ms() - command.ts_ms > self.max_age_s * 1000:
             return self._skip(command, f"older than {self.max_age_s:g} s")
-        if command.ts_ms < self._last_ts.get(command.pool, -1):
+        if command.ts_ms < self._last_ts.get(command.unit, -1):
             return self._skip(command, "older than a command already accepted for the pool")
         self._seen[command.decision_id] = None
         while len(self._seen) > self.remember_ids:
             self._seen.popitem(last=False)
-        self._last_ts[command.pool] = command.ts_ms
+        self._last_ts[command.unit] = command.ts_ms
         return True
 
     def _enqueue(self, command: ScalingCommand) -> None:
-        pool = command.pool
+        pool = command.unit
         superseded = self._queued.get(pool)
         if superseded is not None:
             self._skip(superseded, f"superseded by {command.decision_id} before it was applied")
         self._queued[pool] = command
         if pool not in self._appliers:
             self._wakeups[pool] = asyncio.Event()
-            self._appliers[pool] = asyncio.create_task(self._applier(pool), name=f"apply-{pool.value}")
+            self._appliers[pool] = asyncio.create_task(self._applier(pool),
+                                                       name=f"apply-{command.worker_pool}/{command.pool.value}")
         self._wakeups[pool].set()
 
-    async def _applier(self, pool: WorkerRole) -> None:
+    async def _applier(self, pool: tuple[str, WorkerRole]) -> None:
         wakeup = self._wakeups[pool]
         while True:
             await wakeup.wait()

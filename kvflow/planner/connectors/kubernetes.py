@@ -140,10 +140,15 @@ class KubernetesConnector:
 
         Raises:
             KeyError: no workload is configured for ``command.pool``.
+            ValueError: the command names a worker pool other than the default
+                one (workloads are configured per role only).
             kubernetes.client.ApiException: the API server refused (404 no
                 such workload, 403 RBAC, 422 invalid, ...).
             RuntimeError: the returned object does not carry the new target.
         """
+        if command.worker_pool:
+            raise ValueError(f"workloads are configured per role of the default worker pool, not for worker pool "
+                             f"{command.worker_pool!r}")
         workload = self.workloads[command.pool]
         obj = await asyncio.to_thread(self._patch, workload, command.target_replicas)
         replicas = int(obj.spec.replicas or 0)

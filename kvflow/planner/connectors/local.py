@@ -52,9 +52,13 @@ class LocalConnector:
             Worker processes of the pool running afterwards.
 
         Raises:
-            ValueError: the target exceeds ``max_replicas``.
+            ValueError: the target exceeds ``max_replicas``, or the command
+                names a worker pool other than the default one (the supervisor
+                starts default-pool workers only).
             RuntimeError: the supervisor ran out of queue slots.
         """
+        if command.worker_pool:
+            raise ValueError(f"the local connector runs the default worker pool only, not {command.worker_pool!r}")
         if self.max_replicas is not None and command.target_replicas > self.max_replicas:
             raise ValueError(f"target {command.target_replicas} > max_replicas {self.max_replicas}")
         await self.scaler.scale(command.pool, command.target_replicas)

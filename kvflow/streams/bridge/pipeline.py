@@ -133,6 +133,9 @@ def _tokenizer_spec(state: BridgeState, model: str) -> str:
         raise invalid_request(f"The model `{model}` is an image model; use /v1/images/generations.",
                               param="model", code="model_not_supported")
     spec = state.registry.tokenizer_spec(model) if status is ModelState.serving else None
+    if spec is None and state.settings.shed_cold_start_hold_s is not None:
+        # A pool scaled to zero: the router holds the request while a worker starts.
+        spec = state.registry.last_tokenizer.get(model)
     if spec is None:
         raise no_live_workers(model, state.retry_after_s)
     return spec

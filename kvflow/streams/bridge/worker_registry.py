@@ -49,11 +49,16 @@ class WorkerRegistry:
     clock: Callable[[], int] = now_ms
     workers: Workers = field(default_factory=Workers)
     models_seen: dict[str, int] = field(default_factory=dict)
+    last_tokenizer: dict[str, str] = field(default_factory=dict)
+    """Model → the tokenizer spec its generation workers last advertised (kept
+    after they stop: a pool scaled to zero is tokenized as it was served)."""
 
     def apply(self, hb: WorkerHeartbeat) -> None:
         """Fold one heartbeat in (stale ones are ignored, ``stopped`` removes)."""
         self.workers.apply(hb)
         self.models_seen.setdefault(hb.model, hb.ts_ms // 1000)
+        if hb.role is not WorkerRole.embedding and hb.tokenizer:
+            self.last_tokenizer[hb.model] = hb.tokenizer
 
     def live_workers(self) -> list[WorkerView]:
         """Serving workers after expiring the silent ones, sorted by id."""
