@@ -162,7 +162,9 @@ async def test_queue_mode_holds_requests_releases_them_and_drops_cancelled_ones(
         assert final.request_id == "gone" and final.finish_reason is FinishReason.abort
         assert len(r.queue) == 1 and r.counters["queue_cancelled"] == 1
 
-        free = heartbeat(catalog, "w1", 4, ts=max(now_ms(), busy.ts_ms + 1))  # the worker's KV use dropped
+        # The worker's KV use dropped. A long TTL: on a loaded machine the router may read this
+        # heartbeat, and tick, seconds after it.
+        free = heartbeat(catalog, "w1", 4, ts=max(now_ms(), busy.ts_ms + 1)).model_copy(update={"ttl_ms": 120_000})
         await producer.send_and_wait(catalog.workers.name, encode(free), key=b"w1")
         [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 4, 1)
         routed = decode(InferenceRequest, msg.value)
@@ -204,7 +206,8 @@ async def test_priority_queue_displaces_the_low_class_and_records_the_serving_cl
         assert final.request_id == "low" and final.error.code == "overloaded" and final.error.status == 503
         assert r.counters["displaced"] == 1 and len(r.queue) == 1
 
-        free = heartbeat(catalog, "w1", 5, ts=max(now_ms(), busy.ts_ms + 1))
+        # A long TTL: on a loaded machine the router may read this heartbeat, and tick, seconds after it.
+        free = heartbeat(catalog, "w1", 5, ts=max(now_ms(), busy.ts_ms + 1)).model_copy(update={"ttl_ms": 120_000})
         await producer.send_and_wait(catalog.workers.name, encode(free), key=b"w1")
         [msg] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 5, 1)
         routed = decode(InferenceRequest, msg.value)
