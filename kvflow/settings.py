@@ -308,6 +308,15 @@ class Settings(BaseSettings):
     environment, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 3}``). Defaults to ``None`` (off)."""
 
+    vllm_max_loras: int = Field(default=0, ge=0, le=64)
+    """vLLM workers: LoRA adapters one batch may mix (vLLM's ``max_loras``); > 0
+    starts vLLM with LoRA, so adapters can be loaded (``kvflow admin load-lora``).
+    Defaults to ``0`` (off: vLLM reserves nothing for adapters)."""
+
+    vllm_max_lora_rank: int = Field(default=16, ge=1, le=512)
+    """vLLM workers: the largest LoRA rank vLLM reserves for (``max_lora_rank``).
+    Defaults to ``16``."""
+
     worker_pool: str = Field(default="", max_length=64)
     """``kvflow worker``: the worker pool it joins (heartbeat ``pool``; see
     ``router_pool_grid``); ``""`` is the default pool. Defaults to ``""``."""

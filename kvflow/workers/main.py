@@ -42,7 +42,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
                  mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0),
                  hf_spec_ngram_tokens: int = 0,
-                 vllm_speculative_config: dict | None = None) -> tuple[Engine, str, str]:
+                 vllm_speculative_config: dict | None = None,
+                 vllm_lora: tuple[int, int] = (0, 16)) -> tuple[Engine, str, str]:
     """Build an engine from CLI-level options.
 
     ``kv_host_gb``/``kv_disk_gb`` size the G2/G3 KV tiers of the mocker and
@@ -62,7 +63,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
     rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`);
     ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off);
-    ``vllm_speculative_config``: vLLM's ``speculative_config``, passed through.
+    ``vllm_speculative_config``: vLLM's ``speculative_config``, passed through;
+    ``vllm_lora``: vLLM's ``(max_loras, max_lora_rank)`` (``max_loras`` 0: no LoRA).
 
     Returns ``(engine, served_model_name, tokenizer_spec)``.
 
@@ -114,7 +116,8 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
         resolved = resolve_model(model)
         kw = {"block_size": block_size} if block_size else {}
         options = VllmOptions(kv_cache_gb=kv_cache_gb, dtype=dtype, compiled=compiled,
-                              speculative_config=vllm_speculative_config, kv_offload_gb=kv_host_gb or None)
+                              speculative_config=vllm_speculative_config, kv_offload_gb=kv_host_gb or None,
+                              max_loras=vllm_lora[0], max_lora_rank=vllm_lora[1])
         return (make_engine("vllm", model=str(resolved.path), options=options,
                              kv_connector=kv_connector, **kw), resolved.name,
                 str(resolved.path))
@@ -166,6 +169,7 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                             settings.mocker_spec_draft_cost_ratio),
                                                hf_spec_ngram_tokens=settings.hf_spec_ngram_tokens,
                                                vllm_speculative_config=settings.vllm_speculative_config,
+                                               vllm_lora=(settings.vllm_max_loras, settings.vllm_max_lora_rank),
                                                kv_disk_dir=disk_dir)
     worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=served_name,
                                            tokenizer=tokenizer, role=role, pool=settings.worker_pool), eng)

@@ -160,6 +160,12 @@ class VllmOptions:
             (``--kv-host-gb``; vLLM's ``kv_offloading_size``, its native
             ``OffloadingConnector``); None: no offloading. vLLM runs it only
             on CUDA and XPU GPUs.
+        max_loras: LoRA adapters one batch may mix (vLLM's ``max_loras``);
+            ``> 0`` starts vLLM with ``enable_lora`` so :meth:`VllmEngine.load_lora`
+            works; 0 (default): no LoRA (vLLM reserves nothing for it).
+        max_lora_rank: the largest adapter rank vLLM reserves for (its
+            ``max_lora_rank``); an adapter of a higher rank is refused at load.
+            Defaults to ``16``.
     """
 
     kv_cache_gb: float | None = None
@@ -167,6 +173,8 @@ class VllmOptions:
     compiled: bool | None = None
     speculative_config: dict[str, Any] | None = None
     kv_offload_gb: float | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 def platform_block_size(requested: int, device_type: str) -> int:
@@ -203,8 +211,9 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
         :func:`platform_block_size`), ``dtype`` (``options.dtype``, but
         float32 for ``"auto"`` when compiled on CPU), ``enforce_eager``,
         ``enable_prefix_caching``, ``max_num_seqs``,
-        ``max_num_batched_tokens``, the KV cache size when one applies and
-        ``speculative_config`` when given;
+        ``max_num_batched_tokens``, the KV cache size when one applies,
+        ``speculative_config`` when given and ``enable_lora``/``max_loras``/
+        ``max_lora_rank`` when ``options.max_loras > 0``;
         ``env`` has ``VLLM_CPU_KVCACHE_SPACE`` for CPU releases without
         ``kv_cache_memory_bytes``.
 
@@ -250,6 +259,11 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
         if "kv_offloading_size" not in arg_names:
             raise ValueError("this vLLM release has no kv_offloading_size: KV offloading needs a newer vLLM")
         args["kv_offloading_size"] = float(options.kv_offload_gb)
+    if options.max_loras:
+        if options.max_loras < 0 or options.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {options.max_loras}, "
+                             f"{options.max_lora_rank}")
+        args.update(enable_lora=True, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
     args.update(config.extra)
     return args, env
 
@@ -414,6 +428,10 @@ class VllmEngine(Engine):
         self._endpoint: str | None = None
         self._load = _Load()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._loras: dict[str, Any] = {}  # adapter name → vLLM LoRARequest
+        self._lora_users: dict[str, str] = {}  # request id in flight → its adapter's name
+        self._next_lora_id = 1  # vLLM's lora_int_id: unique and > 0 per adapter loaded
+        self._lora_lock = asyncio.Lock()
 
     # ---- model and tokenizer ------------------------------------------
 
@@ -552,19 +570,20 @@ class VllmEngine(Engine):
 
         Raises:
             EngineError: the engine is not started, the request id is already
-                in flight, LoRA was asked for, or vLLM rejected or failed the
+                in flight, its LoRA adapter is not loaded, or vLLM rejected or failed the
                 request (e.g. prompt longer than ``max_model_len``).
         """
         if self._engine is None:
             raise EngineError("vllm engine is not started")
         if request.request_id in self._queues:
             raise EngineError(f"request {request.request_id} is already in flight")
-        if request.lora_name:
-            raise EngineError("the vllm engine does not serve LoRA adapters")
+        lora = self._lora_for(request)
+        if lora is not None:
+            self._lora_users[request.request_id] = request.lora_name
         params = self._sampling_params(request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
-        pump = asyncio.create_task(self._pump(request, params, queue), name=f"vllm-{request.request_id}")
+        pump = asyncio.create_task(self._pump(request, params, queue, lora), name=f"vllm-{request.request_id}")
         first, finished = True, False
         try:
             while not finished:
@@ -583,6 +602,7 @@ class VllmEngine(Engine):
                     yield output
         finally:
             self._queues.pop(request.request_id, None)
+            self._lora_users.pop(request.request_id, None)
             if not pump.done():
                 # Cancelling vLLM's generate() aborts the request inside vLLM.
                 pump.cancel()
@@ -600,13 +620,29 @@ class VllmEngine(Engine):
         that need more than tokens (the prefill's ``kv_transfer_params``). :meth:`abort` stops it.
 
         Raises:
-            EngineError: the engine is not started.
+            EngineError: the engine is not started, or the request's LoRA adapter is not loaded.
         """
         if self._engine is None:
             raise EngineError("vllm engine is not started")
+        lora = self._lora_for(request)
+        lora_kw = {"lora_request": lora} if lora is not None else {}
         async for output in self._engine.generate(self._tokens_prompt(list(request.prompt_token_ids)),
-                                                  self._sampling_params(request), request.request_id):
+                                                  self._sampling_params(request), request.request_id, **lora_kw):
             yield output
+
+    def _lora_for(self, request: GenerateRequest) -> Any:
+        """The vLLM ``LoRARequest`` of ``request``'s adapter; None without one.
+
+        Raises:
+            EngineError: it names an adapter that is not loaded.
+        """
+        if not request.lora_name:
+            return None
+        lora = self._loras.get(request.lora_name)
+        if lora is None:
+            raise EngineError(f"{request.request_id}: LoRA adapter {request.lora_name!r} is not loaded "
+                              f"(loaded: {sorted(self._loras)})")
+        return lora
 
     @property
     def llm(self) -> Any:
@@ -633,11 +669,13 @@ class VllmEngine(Engine):
         """Admin prefix-cache reset (:func:`vllm_admin.clear_kv_cache`)."""
         return await vllm_admin.clear_kv_cache(self)
 
-    async def _pump(self, request: GenerateRequest, params: Any, queue: asyncio.Queue) -> None:
-        """Move vLLM's outputs for one request into ``queue`` (then ``_END``, or the exception)."""
+    async def _pump(self, request: GenerateRequest, params: Any, queue: asyncio.Queue, lora: Any = None) -> None:
+        """Move vLLM's outputs for one request into ``queue`` (then ``_END``, or the exception).
+        ``lora``: the vLLM ``LoRARequest`` of its adapter, or None."""
         try:
+            lora_kw = {"lora_request": lora} if lora is not None else {}
             async for output in self._engine.generate(self._tokens_prompt(list(request.prompt_token_ids)),
-                                                      params, request.request_id):
+                                                      params, request.request_id, **lora_kw):
                 queue.put_nowait(output)
         except asyncio.CancelledError:
             raise
@@ -653,6 +691,61 @@ class VllmEngine(Engine):
             queue.put_nowait(_ABORTED)
         if self._engine is not None:
             await self._engine.abort(request_id)
+
+    # ---- LoRA adapters ----------------------------------------------------
+
+    async def load_lora(self, name: str, path) -> None:
+        """Load the peft LoRA adapter directory ``path`` as ``name`` (vLLM's ``add_lora``;
+        its KV events then carry ``name``, so the adapter's blocks hash apart from the base
+        model's, :mod:`~kvflow.workers.engines.vllm_kv_events`).
+
+        Raises:
+            EngineError: not started, started without LoRA (``VllmOptions.max_loras``
+                0: ``--vllm-max-loras``), ``name`` already loaded, or vLLM refused the
+                adapter (unreadable, rank above ``max_lora_rank``, modules the model lacks).
+        """
+        if self._engine is None:
+            raise EngineError("VllmEngine.load_lora needs a started engine")
+        if not self.options.max_loras:
+            raise EngineError("this vllm engine was started without LoRA: start it with max_loras > 0 "
+                              "(KVFLOW_VLLM_MAX_LORAS)")
+        from vllm.lora.request import LoRARequest
+
+        async with self._lora_lock:
+            if name in self._loras:
+                raise EngineError(f"LoRA adapter {name!r} is already loaded")
+            lora = LoRARequest(name, self._next_lora_id, str(path))
+            try:
+                await self._engine.add_lora(lora)
+            except Exception as exc:  # noqa: BLE001 - vLLM's own errors, reported as the engine's
+                raise EngineError(f"vLLM could not load LoRA adapter {name!r} from {path}: {exc}") from exc
+            self._next_lora_id += 1
+            self._loras[name] = lora
+
+    async def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` (vLLM's ``remove_lora``).
+
+        Raises:
+            EngineError: ``name`` is not loaded, or requests in flight use it.
+        """
+        async with self._lora_lock:
+            lora = self._loras.get(name)
+            if lora is None:
+                raise EngineError(f"LoRA adapter {name!r} is not loaded")
+            users = [rid for rid, n in self._lora_users.items() if n == name]
+            if users:
+                raise EngineError(f"LoRA adapter {name!r} is used by {len(users)} running request(s)")
+            del self._loras[name]  # before the await: no new request can name it from here on
+            try:
+                await self._engine.remove_lora(lora.lora_int_id)
+            except BaseException:
+                self._loras[name] = lora
+                raise
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the loaded adapters, sorted."""
+        return sorted(self._loras)
 
     # ---- state ------------------------------------------------------------
 
