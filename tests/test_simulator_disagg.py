@@ -220,6 +220,12 @@ def test_cli_disaggregated_run(tmp_path):
     assert data["workers"] == 2 and data["options"]["aggregated_workers"] == 0
     assert data["disagg"]["prefill_threshold_tokens"] == 4000
     assert "Disaggregation" in result.output and "| prefill | 1 |" in result.output
-    bad = CliRunner().invoke(app, ["replay", str(MOONCAKE), "--prefill-workers", "1", "--decode-workers", "1",
-                                   "--planner", "sla", "--workers", "1"])
-    assert bad.exit_code != 0
+    # With the SLA planner, prefill and decode workers are sized apart (kvflow.replay.pool_planner).
+    planned = CliRunner().invoke(app, ["replay", str(MOONCAKE), "--prefill-workers", "1", "--decode-workers", "1",
+                                       "--workers", "0", "--planner", "sla", "--limit", "40", "--no-progress",
+                                       "--json", str(tmp_path / "planned.json")])
+    assert planned.exit_code == 0, planned.output
+    assert "| (default) | prefill |" in planned.output and "| (default) | decode |" in planned.output
+    pool = json.loads((tmp_path / "planned.json").read_text())["pools"][""]["planner"]
+    assert set(pool["replica_hours"]) == set(pool["max_workers"]) == {"prefill", "decode"}
+    assert min(pool["max_workers"].values()) >= 1 and pool["requests"] == 40
