@@ -59,38 +59,24 @@ class EmbeddingWorkerConfig:
     max_records: int = 16
 
 
+@dataclass(eq=False)
 class EmbeddingWorker:
-    """Adapts an :class:`Encoder` to Kafka. ``await run()`` until drained or stopped.
-
-    ``slot`` is its :class:`~kvflow.workers.queue_slot.QueueSlot` (consumer,
-    producer, status, heartbeats).
+    """Adapts an :class:`Encoder` to Kafka: ``slot`` (a
+    :class:`~kvflow.workers.queue_slot.QueueSlot`) feeds it requests and
+    heartbeats for it; ``await worker.slot.run()`` until drained or stopped.
     """
 
-    def __init__(self, settings: Settings, config: EmbeddingWorkerConfig, encoder: Encoder,
-                 catalog: Catalog | None = None) -> None:
-        self.settings = settings
-        self.config = config
-        self.encoder = encoder
+    settings: Settings
+    config: EmbeddingWorkerConfig
+    encoder: Encoder
+    catalog: Catalog | None = None
+
+    def __post_init__(self) -> None:
         # An encoder advertises its tokenizer (producers could count tokens) and longest input.
-        self.slot = QueueSlot(settings, catalog or Catalog(settings.namespace), role=WorkerRole.embedding,
-                              slot=config.slot, worker_id=config.worker_id, model=config.model, engine=ENGINE_NAME,
-                              schema=EmbeddingRequest, max_records=config.max_records,
-                              heartbeat_fields=lambda: {"tokenizer": config.tokenizer,
-                                                        "context_length": self.encoder.max_tokens})
-
-    async def run(self) -> None:
-        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
-        await self.slot.run(self._handle)
-
-    async def drain(self) -> None:
-        """Stop taking work without losing any: heartbeat ``draining`` (the
-        bridges stop sending here), keep serving for two heartbeat periods
-        (requests sent before they saw it), then stop."""
-        await self.slot.drain()
-
-    def stop(self) -> None:
-        """Stop after the request being encoded."""
-        self.slot.stop()
+        self.slot = QueueSlot(settings=self.settings, catalog=self.catalog, config=self.config,
+                              role=WorkerRole.embedding, engine=ENGINE_NAME, schema=EmbeddingRequest,
+                              handle=self._handle, heartbeat_fields=lambda: {
+                                  "tokenizer": self.config.tokenizer, "context_length": self.encoder.max_tokens})
 
     async def _handle(self, request: EmbeddingRequest, _message: ConsumerRecord) -> None:
         result = await self._serve(request)

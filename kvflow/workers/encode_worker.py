@@ -81,37 +81,33 @@ class EncodeWorkerConfig:
     max_records: int = 16
 
 
+@dataclass(eq=False)
 class EncodeWorker:
-    """Adapts a :class:`MediaEncoder` to Kafka. ``await run()`` until drained or stopped.
+    """Adapts a :class:`MediaEncoder` to Kafka: ``slot`` (a
+    :class:`~kvflow.workers.queue_slot.QueueSlot`) feeds it requests and
+    heartbeats for it; ``await worker.slot.run()`` until drained or stopped.
+    Its Prometheus endpoint opens and closes with the slot.
 
     ``cache`` holds up to ``settings.encode_cache_mb`` MiB of embeddings;
     ``outcomes`` counts requests ``forwarded`` and ``refused``.
     """
 
-    def __init__(self, settings: Settings, config: EncodeWorkerConfig, encoder: MediaEncoder,
-                 catalog: Catalog | None = None) -> None:
-        self.settings = settings
-        self.config = config
-        self.encoder = encoder
-        self.cache = EmbeddingCache(int(settings.encode_cache_mb * 2**20))
+    settings: Settings
+    config: EncodeWorkerConfig
+    encoder: MediaEncoder
+    catalog: Catalog | None = None
+
+    def __post_init__(self) -> None:
+        self.cache = EmbeddingCache(int(self.settings.encode_cache_mb * 2**20))
         self.outcomes: Counter[str] = Counter()
         self.metrics_server = None
         # Producers write media_tokens placeholder rows per item; an encode worker has no tokenizer of its own.
-        self.slot = QueueSlot(settings, catalog or Catalog(settings.namespace), role=WorkerRole.encode,
-                              slot=config.slot, worker_id=config.worker_id, model=config.model, engine=ENGINE_NAME,
-                              schema=InferenceRequest, max_records=config.max_records,
-                              heartbeat_fields=lambda: {"tokenizer": "", "media_tokens": self.encoder.media_tokens})
+        self.slot = QueueSlot(settings=self.settings, catalog=self.catalog, config=self.config,
+                              role=WorkerRole.encode, engine=ENGINE_NAME, schema=InferenceRequest, handle=self._serve,
+                              heartbeat_fields=lambda: {"tokenizer": "", "media_tokens": self.encoder.media_tokens},
+                              on_start=self._open_metrics, on_stop=self._close_metrics)
 
-    async def run(self) -> None:
-        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
-        try:
-            await self.slot.run(self._serve, ready=self._serve_metrics)
-        finally:
-            if self.metrics_server is not None:
-                await self.metrics_server.stop()
-            log.info("encode worker %s: %s", self.config.worker_id, dict(self.outcomes))
-
-    async def _serve_metrics(self) -> None:
+    async def _open_metrics(self) -> None:
         if self.settings.metrics_port is not None:
             from kvflow.streams.metrics_server import serve_metrics
             from kvflow.workers.prometheus import encode_registry
@@ -119,14 +115,10 @@ class EncodeWorker:
             self.metrics_server = await serve_metrics([encode_registry(self)], self.settings.metrics_host,
                                                       self.settings.metrics_port)
 
-    async def drain(self) -> None:
-        """Stop taking work without losing any: heartbeat ``draining`` (routers stop
-        sending here), keep serving for two heartbeat periods, then stop."""
-        await self.slot.drain()
-
-    def stop(self) -> None:
-        """Stop after the request being encoded."""
-        self.slot.stop()
+    async def _close_metrics(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        log.info("encode worker %s: %s", self.config.worker_id, dict(self.outcomes))
 
     async def _serve(self, request: InferenceRequest, message: ConsumerRecord) -> None:
         """Encode ``request``'s media and pass it on; refusals are answered, never raised."""

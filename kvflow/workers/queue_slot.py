@@ -23,7 +23,8 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiokafka import ConsumerRecord, TopicPartition
 
@@ -33,7 +34,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 
-__all__ = ["QueueSlot"]
+__all__ = ["QueueSlot", "SlotConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,30 @@ POLL_TIMEOUT_MS = 1000
 """Longest wait of one poll of the queue, ms (how soon a stop is noticed while idle)."""
 
 
+class SlotConfig(Protocol):
+    """What a :class:`QueueSlot` reads of its worker's config: its id, its
+    queue partition, the model it serves and the most records taken per poll."""
+
+    worker_id: str
+    slot: int
+    model: str
+    max_records: int
+
+
+@dataclass(kw_only=True, eq=False)
 class QueueSlot(Generic[R]):
-    """Consume ``queue.<role>[slot]`` as worker ``worker_id``: decode each
-    record as ``schema``, serve it with the worker's handler, heartbeat.
+    """Consume ``queue.<role>[config.slot]`` as worker ``config.worker_id``
+    (serving ``config.model`` with ``engine``, both advertised in its
+    heartbeats), up to ``config.max_records`` records a poll, on
+    ``catalog``'s topics (default: ``settings.namespace``'s): decode each
+    record as ``schema``, serve it with ``await handle(record, message)``
+    (``message`` the raw Kafka record, e.g. for its headers), heartbeat.
+    ``handle`` should answer failures rather than raise: an exception stops
+    the worker with its batch uncommitted (it is served again on restart).
+
+    ``on_start`` runs once the queue position is set, before the first
+    heartbeat (e.g. to open a metrics endpoint); ``on_stop`` after the
+    ``stopped`` heartbeat, before the consumer and producer close.
 
     ``busy`` counts the records of the current batch not yet served (the
     heartbeat's ``active_requests`` is 1 while any is, the rest are
@@ -55,42 +77,36 @@ class QueueSlot(Generic[R]):
         ValueError: ``slot`` is not a partition of the queue topic.
     """
 
-    def __init__(self, settings: Settings, catalog: Catalog, *, role: WorkerRole, slot: int, worker_id: str,
-                 model: str, engine: str, schema: type[R], max_records: int,
-                 heartbeat_fields: Callable[[], dict[str, Any]] = dict) -> None:
-        queue = catalog.queue(role)
+    settings: Settings
+    catalog: Catalog | None = None
+    config: SlotConfig
+    role: WorkerRole
+    engine: str
+    schema: type[R]
+    handle: Callable[[R, ConsumerRecord], Awaitable[None]]
+    heartbeat_fields: Callable[[], dict[str, Any]] = dict
+    on_start: Callable[[], Awaitable[None]] | None = None
+    on_stop: Callable[[], Awaitable[None]] | None = None
+    status: WorkerStatus = field(default=WorkerStatus.serving, init=False)
+    busy: int = field(default=0, init=False)
+    served: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.catalog = self.catalog or Catalog(self.settings.namespace)
+        self.worker_id, self.model, slot = self.config.worker_id, self.config.model, self.config.slot
+        queue = self.catalog.queue(self.role)
         if slot >= queue.partitions:
             raise ValueError(f"slot {slot} >= {queue.partitions} queue partitions")
-        self.settings = settings
-        self.catalog = catalog
-        self.role = role
-        self.worker_id = worker_id
-        self.model = model
-        self.engine = engine
-        self.schema = schema
-        self.max_records = max_records
-        self.heartbeat_fields = heartbeat_fields
         self.queue_tp = TopicPartition(queue.name, slot)
-        self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=f"{settings.namespace}.worker.{role.value}.{slot}",
-                                      enable_auto_commit=False)
-        self.dlq = DeadLetterWriter(self.producer, catalog, consumer=worker_id)
-        self.status = WorkerStatus.serving
+        self.producer = make_producer(self.settings)
+        self.consumer = make_consumer(self.settings, enable_auto_commit=False,
+                                      group_id=f"{self.settings.namespace}.worker.{self.role.value}.{slot}")
+        self.dlq = DeadLetterWriter(self.producer, self.catalog, consumer=self.worker_id)
         self.started_ms = now_ms()
-        self.busy = 0
-        self.served = 0
         self._stop = asyncio.Event()
 
-    async def run(self, handle: Callable[[R, ConsumerRecord], Awaitable[None]], *,
-                  ready: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Start, serve each record with ``await handle(record, message)`` until
-        :meth:`drain` or :meth:`stop`, then publish ``stopped``.
-
-        ``ready`` runs once the queue position is set, before the first
-        heartbeat (e.g. to start a metrics endpoint). ``handle`` should answer
-        failures rather than raise: an exception stops the worker with the
-        batch uncommitted.
-        """
+    async def run(self) -> None:
+        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
         await self.producer.start()
         await self.consumer.start()
         beat: asyncio.Task | None = None
@@ -100,13 +116,13 @@ class QueueSlot(Generic[R]):
                 await self.consumer.seek_to_end(self.queue_tp)
             await self.consumer.position(self.queue_tp)
             adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
-            if ready is not None:
-                await ready()
+            if self.on_start is not None:
+                await self.on_start()
             await self.announce()
             beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             log.info("%s worker %s serving %s on %s[%d]", self.role.value, self.worker_id, self.model,
                      *self.queue_tp)
-            await self._consume_loop(handle)
+            await self._consume_loop()
         finally:
             if beat is not None:
                 beat.cancel()
@@ -115,6 +131,8 @@ class QueueSlot(Generic[R]):
             self.status = WorkerStatus.stopped
             with contextlib.suppress(Exception):
                 await self.announce()
+            if self.on_stop is not None:
+                await self.on_stop()
             await self.consumer.stop()
             await self.producer.stop()
             log.info("%s worker %s stopped after %d records", self.role.value, self.worker_id, self.served)
@@ -134,17 +152,17 @@ class QueueSlot(Generic[R]):
         """Stop after the record being served."""
         self._stop.set()
 
-    async def _consume_loop(self, handle: Callable[[R, ConsumerRecord], Awaitable[None]]) -> None:
+    async def _consume_loop(self) -> None:
         while not self._stop.is_set():
             batches = await self.consumer.getmany(self.queue_tp, timeout_ms=POLL_TIMEOUT_MS,
-                                                  max_records=self.max_records)
+                                                  max_records=self.config.max_records)
             messages = batches.get(self.queue_tp, [])
             # Malformed records go to the dead-letter topic up front; only the rest count as work.
             decoded = [(r, m) for r, m in [(await self.dlq.decode(self.schema, m), m) for m in messages]
                        if r is not None]
             self.busy = len(decoded)
             for record, message in decoded:
-                await handle(record, message)
+                await self.handle(record, message)
                 self.busy -= 1
                 self.served += 1
             if messages:

@@ -63,37 +63,24 @@ class StageWorkerConfig:
     max_records: int = 4
 
 
+@dataclass(eq=False)
 class StageWorker:
-    """Adapts a :class:`Stage` to Kafka. ``await run()`` until drained or stopped.
-
-    ``slot`` is its :class:`~kvflow.workers.queue_slot.QueueSlot` (consumer,
-    producer, status, heartbeats).
+    """Adapts a :class:`Stage` to Kafka: ``slot`` (a
+    :class:`~kvflow.workers.queue_slot.QueueSlot`) feeds it records and
+    heartbeats for it; ``await worker.slot.run()`` until drained or stopped.
     """
 
-    def __init__(self, settings: Settings, config: StageWorkerConfig, stage: Stage,
-                 catalog: Catalog | None = None) -> None:
-        self.settings = settings
-        self.config = config
-        self.stage = stage
-        self.slot = QueueSlot(settings, catalog or Catalog(settings.namespace), role=config.role, slot=config.slot,
-                              worker_id=config.worker_id, model=config.model, engine=ENGINE_NAME,
-                              schema=stage.input_schema, max_records=config.max_records,
+    settings: Settings
+    config: StageWorkerConfig
+    stage: Stage
+    catalog: Catalog | None = None
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.slot = QueueSlot(settings=self.settings, catalog=self.catalog, config=config, role=config.role,
+                              engine=ENGINE_NAME, schema=self.stage.input_schema, handle=self._serve,
                               heartbeat_fields=lambda: {"tokenizer": config.tokenizer,
                                                         "context_length": config.context_length})
-
-    async def run(self) -> None:
-        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
-        await self.slot.run(self._serve)
-
-    async def drain(self) -> None:
-        """Stop taking work without losing any: heartbeat ``draining`` (the
-        bridges stop sending here), keep serving for two heartbeat periods
-        (records sent before they saw it), then stop."""
-        await self.slot.drain()
-
-    def stop(self) -> None:
-        """Stop after the record being served."""
-        self.slot.stop()
 
     async def _serve(self, record: Record, _message: ConsumerRecord) -> None:
         output = await asyncio.to_thread(self.stage.run, record)
