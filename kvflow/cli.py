@@ -460,27 +460,23 @@ def admin_sleep(
     _admin("sleep", worker_id, level=level, timeout_s=timeout_s, join=join)
 
 
-@admin_app.command("wake")
-@option_groups
-def admin_wake(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 120.0,
-    join: JoinOptions = JoinOptions(),
-) -> None:
-    """Wake WORKER's engine; it is routable again."""
-    _admin("wake", worker_id, timeout_s=timeout_s, join=join)
+def _worker_only_admin(action: str, default_timeout_s: float, doc: str) -> None:
+    """Register ``kvflow admin <action>`` (``_`` spelled ``-``): an admin command
+    that takes only the worker, ``--timeout-s`` (default ``default_timeout_s``) and
+    the join options; ``doc`` is its help."""
+
+    def command(worker_id: WorkerArg, timeout_s: AdminTimeoutOpt = default_timeout_s,
+                join: JoinOptions = JoinOptions()) -> None:
+        _admin(action, worker_id, timeout_s=timeout_s, join=join)
+
+    command.__name__ = command.__qualname__ = f"admin_{action}"
+    command.__doc__ = doc
+    admin_app.command(action.replace("_", "-"))(option_groups(command))
 
 
-@admin_app.command("clear-kv")
-@option_groups
-def admin_clear_kv(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 30.0,
-    join: JoinOptions = JoinOptions(),
-) -> None:
-    """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
-    _admin("clear_kv", worker_id, timeout_s=timeout_s, join=join)
-
+_worker_only_admin("wake", 120.0, "Wake WORKER's engine; it is routable again.")
+_worker_only_admin("clear_kv", 30.0, "Drop every cached KV block of WORKER (routers drop them from their index); "
+                                     "refused while requests run.")
 
 LoraNameArg = Annotated[str, typer.Argument(help="Adapter name (clients send it as the OpenAI `model`).")]
 
@@ -511,15 +507,7 @@ def admin_unload_lora(
     _admin("unload_lora", worker_id, timeout_s=timeout_s, join=join, lora_name=name)
 
 
-@admin_app.command("list-lora")
-@option_groups
-def admin_list_lora(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 30.0,
-    join: JoinOptions = JoinOptions(),
-) -> None:
-    """List the LoRA adapters loaded on WORKER."""
-    _admin("list_lora", worker_id, timeout_s=timeout_s, join=join)
+_worker_only_admin("list_lora", 30.0, "List the LoRA adapters loaded on WORKER.")
 
 
 @app.command("shadow")
