@@ -75,6 +75,14 @@ def _shadow(planner_mode: str) -> bool:
     return planner_mode == "shadow"
 
 
+def _served_models(generation: str | None, embedding: str | None, image: str | None) -> str:
+    """The models a ``kvflow up`` serves, for its ready line: each one given
+    (None: that kind has no worker, and no planner to start one), e.g.
+    ``"SmolLM2-135M-Instruct and all-MiniLM-L6-v2 (embeddings)"``; ``""`` for none."""
+    named = [generation, embedding and f"{embedding} (embeddings)", image and f"{image} (images)"]
+    return " and ".join(name for name in named if name)
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -268,13 +276,14 @@ def up(
                 for _ in range(count):
                     await sup.start_worker(role)
             total = sum(count for _, count in pools)
-            also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
-            also += f" and {encode_workers} encode worker(s)" if encode_workers else ""
-            if image_workers:
-                also += (f" and {image_text_workers} text-stage + {image_workers} image-stage worker(s) of "
-                         f"{image_model}")
             generating = workers + prefill_workers + decode_workers
-            typer.echo(f"waiting for {generating} {engine} worker(s) of {model}{also} ...")
+            starting = [f"{generating} {engine} worker(s) of {model}"] if generating else []
+            starting += [f"{embedding_workers} embedding worker(s) of {embedding_model}"] if embedding_workers else []
+            starting += [f"{encode_workers} encode worker(s)"] if encode_workers else []
+            if image_workers:
+                starting.append(f"{image_text_workers} text-stage + {image_workers} image-stage worker(s) of "
+                                f"{image_model}")
+            typer.echo(f"waiting for {' and '.join(starting)} ..." if starting else "starting no worker")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -291,7 +300,11 @@ def up(
                 record()  # now with the workers' own /metrics URLs
                 for url in sup.worker_metrics_urls():
                     typer.echo(f"  worker metrics: {url}")
-                typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
+                served = _served_models(model if generating or plan is not None else None,
+                                        embedding_model if embedding_workers else None,
+                                        image_model if image_workers else None)
+                typer.echo(f"kvflow is serving {served} at {where}  (Ctrl-C to stop)" if served else
+                           f"kvflow is up at {where}, serving no model: no worker was started  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
         finally:
