@@ -17,7 +17,8 @@ from vllm_support import TEST_KV_CACHE_GB, require_vllm
 
 from kvflow.supervisor import WorkerSpec
 
-pytestmark = pytest.mark.slow
+# vLLM engines start in ~20 s on a quiet CPU and several times that on a loaded one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "SmolLM2-135M-Instruct"
 LONG_PROMPT = "Summarise the harbour ledger below in one sentence.\n" + "\n".join(
     f"Day {i}: the ship Marigold-{i} unloaded {i * 37 % 500} barrels of oil, {i * 11 % 90} crates of tea "

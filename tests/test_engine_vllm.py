@@ -40,6 +40,9 @@ from kvflow.workers.engines.vllm import (
     vllm_sampling_kwargs,
 )
 
+# vLLM engines start in ~20 s on a quiet CPU and several times that on a loaded one.
+pytestmark = pytest.mark.timeout(900)
+
 NEW_ARGS = frozenset({"block_size", "dtype", "enforce_eager", "kv_cache_memory_bytes"})
 OLD_ARGS = frozenset({"block_size", "dtype", "enforce_eager"})  # releases before kv_cache_memory_bytes
 

@@ -16,7 +16,8 @@ from kvflow.workers.engines.capabilities import ServesLora
 from test_engine_hf_lora import QUESTION, train_adapter
 from vllm_support import TEST_KV_CACHE_GB, require_vllm
 
-pytestmark = pytest.mark.slow
+# vLLM engines start in ~20 s on a quiet CPU and several times that on a loaded one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -98,13 +98,15 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
                     assert reply.status_code == 200, reply.text
                     return reply.json()["kvflow"]
 
-                # Keep w0 busy (the tie-break's pick) so the first image lands on w1.
+                # Keep one worker busy so the first image lands on the other (the one
+                # an idle tie-break may not pick).
                 long = client.new_request(MODEL, prompt="busy " * 40,
                                           sampling=SamplingParams(max_tokens=100_000, ignore_eos=True))
                 busy = client.stream(long)
-                await busy.__anext__()
+                head = await busy.__anext__()
+                holder = ({"w0", "w1"} - {head.worker_id}).pop()
                 first = await ask("a.png")
-                assert first["worker_id"] == "w1" and first["overlap_blocks"] == 0
+                assert first["worker_id"] == holder and first["overlap_blocks"] == 0
                 assert (sample("kvflow_encode_cache_misses_total"), sample("kvflow_encode_cache_hits_total")) == (1, 0)
                 await client.cancel(long.request_id)
                 async for event in busy:
@@ -112,15 +114,15 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
                         break
                 await waiter(lambda: all(router.table.workers[w].load == 0 for w in ("w0", "w1")), timeout_s=60)
 
-                # Both idle: only the image's blocks on w1 outweigh the tie-break to w0.
+                # Both idle: the image's blocks bring it back to the worker holding them.
                 again = await ask("a.png")
-                assert again["worker_id"] == "w1" and again["overlap_blocks"] >= 2
+                assert again["worker_id"] == holder and again["overlap_blocks"] >= 2
                 assert (sample("kvflow_encode_cache_misses_total"), sample("kvflow_encode_cache_hits_total")) == (1, 1)
                 assert sample("kvflow_encode_cache_entries") == 1 and sample("kvflow_encode_cache_bytes") > 0
 
                 # Another image, the same token ids: its content hash keeps every block apart.
                 other = await ask("b.png")
-                assert other["worker_id"] == "w0" and other["overlap_blocks"] == 0
+                assert other["overlap_blocks"] == 0
                 assert sample("kvflow_encode_cache_misses_total") == 2
 
                 junk = await http.post("/v1/chat/completions", json=_chat(f"{media}/junk.png"))

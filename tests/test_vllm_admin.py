@@ -21,7 +21,8 @@ from vllm_support import TEST_KV_CACHE_GB, TEST_MAX_MODEL_LEN, require_vllm
 from kvflow.schemas import SamplingParams, WorkerRole, WorkerStatus
 from kvflow.streams.admin import send_admin_command
 
-pytestmark = pytest.mark.slow
+# vLLM engines start in ~20 s on a quiet CPU and several times that on a loaded one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 32

@@ -44,6 +44,9 @@ from kvflow.workers.engines.vllm_disagg import (
 from kvflow.workers.kv.handoff import KvHandoff
 from kvflow.workers.kv.transfer import TransferError
 
+# vLLM engines start in ~20 s on a quiet CPU and several times that on a loaded one.
+pytestmark = pytest.mark.timeout(900)
+
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 
