@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -118,7 +119,7 @@ from kvflow.workers.lora import AdapterError, AdapterManager
 from kvflow.workers.prometheus import WorkerExporter
 from kvflow.workers.stops import StopChecker
 
-__all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED"]
+__all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED", "flush_tick"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,22 @@ CATCH_UP_TIMEOUT_S = 10.0
 """Longest a starting worker spends reading back recent cancels before it
 takes work (4096 records take milliseconds; the bound is for a broker that
 stalls)."""
+
+
+_ticks = itertools.count()
+
+
+def flush_tick(period_s: float, now: float | None = None) -> int:
+    """Index of the current tick of the worker-wide delta flush clock.
+
+    The clock ticks every ``period_s`` seconds of ``now`` (default
+    ``time.monotonic()``); a stream's buffered tokens go out at its first
+    engine output in a later tick than the one its buffer started in. With
+    ``period_s`` 0 every call is a new tick (a delta per engine output).
+    """
+    if period_s <= 0:
+        return next(_ticks)
+    return int((time.monotonic() if now is None else now) // period_s)
 
 
 @dataclass
@@ -684,11 +701,14 @@ class Worker:
         apply stop strings, send :class:`TokenDelta` records, then the :class:`FinalResponse`.
 
         The first output is sent at once; later ones are coalesced into one
-        delta per ``settings.stream_flush_tokens`` tokens or
-        ``settings.stream_flush_ms`` of buffering, whichever comes first
-        (checked at each engine output), and whatever is buffered goes out
-        before the final response. Fewer, bigger records cut the broker and
-        reader work per token (docs/benchmarks.md, "Live path").
+        delta per ``settings.stream_flush_tokens`` tokens, or at the first
+        engine output after the next tick of a clock ticking every
+        ``settings.stream_flush_ms`` (:func:`flush_tick`), whichever comes
+        first, and whatever is buffered goes out before the final response.
+        The clock is shared by all of the worker's streams, so the deltas of
+        one engine step leave together and share one produce request. Fewer,
+        bigger records cut the broker and reader work per token
+        (docs/benchmarks.md, "Live path").
 
         ``cached_tokens`` overrides the prefix-cache hit reported by the
         first output (a remote prefill reports the prefill worker's);
@@ -708,7 +728,7 @@ class Worker:
         text_parts: list[str] = []
         buf_ids: list[int] = []
         buf_text: list[str] = []
-        buf_since = 0.0
+        buf_tick = 0
         timer = self.prom.track()
         timer.started_s -= max(0, now_ms() - received_ms) / 1000  # TTFT counts from the queue record's arrival
 
@@ -745,11 +765,12 @@ class Worker:
                     text += stops.flush() + detok.flush()
                 if text or out.token_ids:
                     text_parts.append(text)
+                    tick = flush_tick(flush_s)
                     if not buf_ids and not buf_text:
-                        buf_since = time.monotonic()
+                        buf_tick = tick
                     buf_ids.extend(out.token_ids)
                     buf_text.append(text)
-                    if index == 0 or len(buf_ids) >= flush_tokens or time.monotonic() - buf_since >= flush_s:
+                    if index == 0 or len(buf_ids) >= flush_tokens or tick != buf_tick:
                         await flush()
                 if stopped or out.finish_reason is not None:
                     break
