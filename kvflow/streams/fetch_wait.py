@@ -20,7 +20,8 @@ assemble records), unless that partition's position has not moved for
 watermark for ever, e.g. a Faust changelog partition at 0 of 1; the response
 reader's supervisor handles a reader that is really stuck); records on a latency-critical ("hot") partition within
 ``active_window_s`` → ``active_ms``; otherwise a wait that doubles for every
-further second of quiet, from ``active_ms`` up to ``idle_ms``. The first
+further second of quiet, from ``active_ms`` up to ``idle_ms`` (straight to
+``idle_ms`` for a consumer every writer rings, :attr:`FetchWaitPolicy.rung`). The first
 record after a quiet spell therefore pays up to the current wait on each hop
 whose consumer was idle (at most ``idle_ms`` after a long one); under
 traffic every hop runs at ``active_ms``.
@@ -83,6 +84,13 @@ class FetchWaitPolicy:
     """True while the consumer's process waits on records it will read (e.g.
     a client with streams in flight): counts as activity, so the consumer
     never parks in a long poll then. None: never busy."""
+    rung: bool = False
+    """Every writer of the records that make this consumer active rings it
+    (:func:`produced`; e.g. a worker's queue, which only routers and
+    forwarding workers write): once its active window has passed it parks at
+    ``idle_ms`` at once instead of stepping the wait up from ``active_ms``.
+    On a sparse topic (a request every few seconds per worker) that is a
+    handful of fetches per record instead of one per ``active_ms``."""
     cut_above_ms: int = 50
     """A wake cuts short an in-flight fetch sent with a longer wait than this."""
     sent_ms: int = 0
@@ -137,7 +145,7 @@ class FetchWaitPolicy:
             return self.catch_up_ms
         if quiet < 0:
             return self.active_ms
-        if quiet >= 32:
+        if self.rung or quiet >= 32:
             return self.idle_ms
         return int(min(self.idle_ms, self.active_ms * 2 ** quiet))
 

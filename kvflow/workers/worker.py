@@ -256,8 +256,10 @@ class Worker:
         if committed is None:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
-        # Busy: cancels for the requests it runs must not wait out an idle long poll.
-        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__, busy=self.inflight.__len__)
+        # Rung: every writer of its queue and control topics (routers, forwarding workers, clients
+        # sending cancels, admin) rings this process, so it parks between requests even while it
+        # serves some instead of polling every fetch_max_wait_ms (~25 fetches/s per worker).
+        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__, rung=True)
         await self._position_control()
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
@@ -417,6 +419,7 @@ class Worker:
         with the current trace context in its headers."""
         await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition,
                                           headers=inject_headers())
+        produced(topic, partition)  # its worker may be parked in a long poll
 
     async def kv_transport(self) -> KvTransport:
         """This worker's KV transport, started on first use (NIXL or TCP, see
