@@ -176,15 +176,17 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
     return asyncio.run(main())
 
 
-def bridge_ttft(url: str) -> dict:
-    """Mean and bucket-estimated p50/p99 (ms) of the bridge's own TTFT histogram
-    (body read → first token written), from its /metrics."""
+def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
+    """Mean and bucket-estimated p50/p99 (ms) of one of the bridge's latency
+    histograms, from its /metrics: by default its own TTFT (body read → first
+    token written); ``kvflow_bridge_prepare_seconds`` is body read → request
+    record built (parsing, chat template, tokenizing)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets: dict[float, float] = {}
     total = count = 0.0
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if fam.name != "kvflow_bridge_ttft_seconds":
+        if fam.name != name.removesuffix("_seconds") and fam.name != name:
             continue
         for sample in fam.samples:
             if sample.name.endswith("_bucket"):
@@ -289,6 +291,7 @@ def main() -> None:
         })
         result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
         result["bridge_ttft_ms"] = bridge_ttft(url)
+        result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
         result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
         result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:
