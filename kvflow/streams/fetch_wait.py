@@ -294,8 +294,8 @@ def produced(topic: str, partition: int | None = None) -> None:
     (:func:`kvflow.streams.doorbell.ring`).
 
     So the first record after a quiet spell does not wait out an idle
-    consumer's long poll on the hop it takes. Cheap when nothing is parked:
-    one comparison per local consumer, and at most one ring per partition
+    consumer's long poll on the hop it takes. Cheap: a look at each local
+    consumer's assignment, and at most one ring per partition
     per :data:`~kvflow.streams.doorbell.RING_GAP_S`.
     """
     woken(topic, partition)
@@ -305,13 +305,14 @@ def produced(topic: str, partition: int | None = None) -> None:
 
 
 def woken(topic: str, partition: int | None = None) -> None:
-    """Wake this process's adaptive consumers assigned ``topic``
-    (``partition``, or None for any) that are parked in a long fetch.
-    What a doorbell ring runs (:mod:`kvflow.streams.doorbell`)."""
+    """Mark activity on this process's adaptive consumers assigned ``topic``
+    (``partition``, or None for any) and cut the fetch of those parked in a
+    long one. What a doorbell ring runs (:mod:`kvflow.streams.doorbell`)."""
     now = time.monotonic()
     for consumer, policy in list(_local.items()):
-        if policy.sent_ms <= policy.cut_above_ms:
-            continue
+        # A consumer polling fast is not cut, but the ring still counts as activity: the record
+        # may land just after its fetch in flight (a ring can precede the write it announces),
+        # and a rung consumer whose window ended then would park past it.
         try:
             assigned = consumer.assignment()
         except Exception:  # noqa: BLE001 - consumer stopping or being reassigned
