@@ -13,7 +13,9 @@ processes) as a child process group, then:
    first token went: bridge → router (``routing.decided_ms − created_ms``),
    router → worker (``queued_ms − decided_ms``), worker queue
    (``started_ms − queued_ms``), engine to first token
-   (``first_token_ms − started_ms``), and records on the responses topic.
+   (``first_token_ms − started_ms``), and records on the responses topic;
+   and from the bridge's /metrics its own TTFT and the time from body read to
+   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing).
 
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...

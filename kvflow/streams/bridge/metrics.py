@@ -7,7 +7,9 @@ Prometheus and, for requests that reached the pipeline, hands one
 :class:`RequestMetrics` record to the publisher (the metrics topic).
 
 Times are measured on the bridge from the moment the HTTP body was read, so
-TTFT includes tokenization, Kafka hops, routing and queueing.
+TTFT includes tokenization, Kafka hops, routing and queueing;
+``kvflow_bridge_prepare_seconds`` is the part before the request record
+exists (parsing, chat template, tokenizing).
 
 Disaggregated serving is read off each successful final response: a request
 whose ``kv_transfer`` is set and not ``recomputed`` had its prefill on a
