@@ -13,7 +13,9 @@ processes) as a child process group, then:
    first token went: bridge → router (``routing.decided_ms − created_ms``),
    router → worker (``queued_ms − decided_ms``), worker queue
    (``started_ms − queued_ms``), engine to first token
-   (``first_token_ms − started_ms``), and records on the responses topic.
+   (``first_token_ms − started_ms``), and records on the responses topic;
+   and from the bridge's /metrics its own TTFT and the time from body read to
+   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing).
 
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
@@ -176,15 +178,17 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
     return asyncio.run(main())
 
 
-def bridge_ttft(url: str) -> dict:
-    """Mean and bucket-estimated p50/p99 (ms) of the bridge's own TTFT histogram
-    (body read → first token written), from its /metrics."""
+def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
+    """Mean and bucket-estimated p50/p99 (ms) of one of the bridge's latency
+    histograms, from its /metrics: by default its own TTFT (body read → first
+    token written); ``kvflow_bridge_prepare_seconds`` is body read → request
+    record built (parsing, chat template, tokenizing)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets: dict[float, float] = {}
     total = count = 0.0
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if fam.name != "kvflow_bridge_ttft_seconds":
+        if fam.name != name.removesuffix("_seconds") and fam.name != name:
             continue
         for sample in fam.samples:
             if sample.name.endswith("_bucket"):
@@ -289,6 +293,7 @@ def main() -> None:
         })
         result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
         result["bridge_ttft_ms"] = bridge_ttft(url)
+        result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
         result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
         result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:

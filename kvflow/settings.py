@@ -175,9 +175,13 @@ class Settings(BaseSettings):
     this many are buffered (1: a record per engine output). The first output
     is never held back. Defaults to 16."""
 
-    stream_flush_ms: float = Field(default=20.0, ge=0)
-    """... or once the oldest buffered token has waited this long, checked at
-    each engine output (ms; 0: a record per engine output). Defaults to 20."""
+    stream_flush_ms: float = Field(default=40.0, ge=0)
+    """... or at the first engine output after the next tick of a worker-wide
+    clock ticking every this many ms (0: a record per engine output), so the
+    deltas of one engine step leave in one produce request. The default
+    equals ``fetch_max_wait_ms``: a reader under traffic picks records up once
+    per fetch wait, so flushing more often only splits what arrives together
+    (docs/benchmarks.md, "Live path"). Defaults to 40."""
 
     request_timeout_s: float = Field(default=600.0, gt=0)
     """How long the bridge and client wait for a request's next response record

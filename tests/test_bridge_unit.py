@@ -53,10 +53,12 @@ from kvflow.streams.bridge.openai_format import (
     chat_completion,
     chat_messages,
     check_supported,
+    chat_text_chunk,
+    completion_text_chunk,
     sampling_params,
     to_inference_request,
 )
-from kvflow.streams.bridge.sse import DONE, chat_sse, completion_sse
+from kvflow.streams.bridge.sse import DONE, chat_sse, completion_sse, sse_event, text_events
 from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
 from kvflow.streams.client import RequestTimeout
@@ -265,6 +267,13 @@ async def test_chat_sse_chunks_follow_openai_stream_shape():
     assert chunks[4].choices == [] and chunks[4].usage.prompt_tokens_details.cached_tokens == 4
     assert chunks[4].usage.total_tokens == 12 and len(chunks) == 5
     assert all(c.id == META.id and c.object == "chat.completion.chunk" for c in chunks)
+
+
+@pytest.mark.parametrize("chunk", [chat_text_chunk, completion_text_chunk])
+@pytest.mark.parametrize("text", ["Hello", " wörld ✓", 'quote " back\\slash', "line\nfeed\ttab\x01", "\u2028", ""])
+def test_spliced_text_events_are_the_bytes_of_the_dumped_chunk(chunk, text):
+    meta = ResponseMeta(id="chatcmpl-1", model="org/model-\u00e9", created=123)
+    assert text_events(lambda t: chunk(meta, t))(text) == sse_event(chunk(meta, text))
 
 
 async def test_sse_without_include_usage_has_no_usage_chunk():

@@ -69,6 +69,41 @@ def test_wake_marks_activity():
     assert p.wait_ms([], now=60.0) == 200
 
 
+def test_a_rung_consumer_parks_as_soon_as_its_window_passes():
+    p = policy(rung=True)
+    p.wait_ms([(REQ, 10, 10)], now=100.0)
+    assert p.wait_ms([(REQ, 11, 11)], now=101.0) == 5  # a record: fast for the window
+    assert p.wait_ms([(REQ, 11, 11)], now=102.9) == 5
+    assert p.wait_ms([(REQ, 11, 11)], now=103.1) == 200  # no stepping up: its writers ring it
+    assert p.wait_ms([(REQ, 100, 5000)], now=103.2) == 250  # behind still waits to assemble
+
+
+def test_a_rung_policy_has_a_window_just_over_the_ring_gap():
+    from kvflow.streams.doorbell import RING_GAP_S
+    from kvflow.streams.kafka import RUNG_ACTIVE_WINDOW_S
+
+    s = Settings(bootstrap_servers="x:1", fetch_active_window_s=2.0)
+    p = fetch_wait_policy(s, rung=True)
+    assert p.rung and RING_GAP_S < p.active_window_s == RUNG_ACTIVE_WINDOW_S < 2.0
+    assert not fetch_wait_policy(s).rung and fetch_wait_policy(s).active_window_s == 2.0
+
+
+def test_a_ring_marks_activity_on_a_consumer_that_is_not_parked(monkeypatch):
+    from kvflow.streams import fetch_wait
+
+    class Consumer:  # what woken() looks at: the assignment
+        def assignment(self):
+            return {tp("queue.aggregated", 2)}
+
+    consumer, p = Consumer(), policy(rung=True)
+    p.cut = lambda: pytest.fail("a consumer polling fast is not cut")
+    monkeypatch.setattr(fetch_wait, "_local", {consumer: p})
+    monkeypatch.setattr(fetch_wait.time, "monotonic", lambda: 50.0)
+    assert p.wait_ms([], now=49.0) == 200  # window long over: it would park
+    fetch_wait.woken("queue.aggregated", 2)  # rung while its last fast fetch was in flight
+    assert p.wait_ms([], now=50.1) == 5  # the record it announces is fetched fast, not after a park
+
+
 def test_settings_build_the_policy_and_only_for_the_embedded_broker():
     s = Settings(bootstrap_servers="x:1", fetch_max_wait_ms=7, fetch_idle_wait_ms=300, fetch_catch_up_wait_ms=400,
                  fetch_active_window_s=1.5)

@@ -206,6 +206,18 @@ def test_hf_incremental_detokenizer_matches_full_decode(hf_tok):
 
 
 @pytest.mark.slow
+def test_hf_direct_rust_calls_give_what_transformers_gives(hf_tok):
+    assert hf_tok._backend is not None  # SmolLM2's fast tokenizer: encode/decode skip transformers' wrapper
+    text = MIXED_TEXT + " 日本語 🎉 <|im_end|> " + "long prompt words " * 2000
+    chat = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content=text)]
+    ids = hf_tok.encode_chat(chat)
+    assert ids == list(hf_tok._tok.encode(hf_tok._render_chat(chat), add_special_tokens=False))
+    assert hf_tok.encode_prompt(text) == list(hf_tok._tok.encode(text, add_special_tokens=True))
+    assert hf_tok.decode(ids) == hf_tok._tok.decode(ids, skip_special_tokens=True)
+    assert hf_tok.decode(ids[5:9]) == hf_tok._tok.decode(ids[5:9], skip_special_tokens=True)
+
+
+@pytest.mark.slow
 def test_hf_tokenizer_is_cached(converted, hf_tok):
     assert load_tokenizer(str(converted[1][0].path)) is hf_tok
     assert Path(hf_tok.path) == converted[1][0].path

@@ -15,7 +15,7 @@ import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvflow.schemas import ChatMessage
 from kvflow.models.resolve import resolve_model
@@ -130,6 +130,36 @@ class HfTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.vocab_size = len(self._tok)
         self.eos_token_ids = self._eos_ids()
+        self._backend = self._rust_backend()
+
+    def _rust_backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` behind a fast tokenizer, when calling it
+        directly gives what transformers' ``encode``/``decode`` give (no
+        clean-up of tokenization spaces, no split of special tokens); else None.
+
+        transformers (v5) wraps that one Rust call in Python conversions that
+        cost about a fifth of the encode time of a long prompt (offsets are
+        computed and dropped) and most of the decode time of the few tokens the
+        incremental detokenizer decodes per engine output, on the bridge's and
+        the worker's event loops.
+        """
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+            return None
+        backend = getattr(self._tok, "_tokenizer", None)
+        if not isinstance(backend, RustTokenizer) or getattr(self._tok, "clean_up_tokenization_spaces", False) \
+                or getattr(self._tok, "split_special_tokens", False) or backend.encode_special_tokens:
+            return None
+        return backend
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:
+            fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
+            if fast is not None:
+                return fast([text], add_special_tokens=add_special_tokens)[0].ids
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -148,11 +178,11 @@ class HfTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of ``text`` with the tokenizer's usual special tokens (e.g. BOS)."""
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return self._encode(text, add_special_tokens=True)
 
     def encode_chat(self, messages: Sequence[ChatMessage | dict]) -> list[int]:
         """Ids of the chat rendered by the chat template, ready for the assistant's turn."""
-        return list(self._tok.encode(self._render_chat(messages), add_special_tokens=False))
+        return self._encode(self._render_chat(messages), add_special_tokens=False)
 
     def encode_chat_parts(self, messages: Sequence[ChatMessage | dict], marker: str) -> list[list[int]]:
         """The chat rendered as :meth:`encode_chat` does, cut where ``marker``
@@ -161,8 +191,7 @@ class HfTokenizer:
         Encoding the pieces apart keeps every token out of the marker's place,
         so a media item's placeholder run starts exactly at the cut.
         """
-        return [list(self._tok.encode(piece, add_special_tokens=False))
-                for piece in self._render_chat(messages).split(marker)]
+        return [self._encode(piece, add_special_tokens=False) for piece in self._render_chat(messages).split(marker)]
 
     def _render_chat(self, messages: Sequence[ChatMessage | dict]) -> str:
         turns = [dict(zip(("role", "content"), _role_and_content(m))) for m in messages]
@@ -172,6 +201,8 @@ class HfTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=True)
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
 

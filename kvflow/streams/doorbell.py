@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 RING_GAP_S = 0.5
 """Least time between two rings of one (topic, partition), seconds: below the
-2 s a woken consumer keeps polling fast, so a skipped ring never finds it parked."""
+time a woken consumer keeps polling fast (2 s; 0.75 s for a consumer every
+writer rings, :data:`kvflow.streams.kafka.RUNG_ACTIVE_WINDOW_S`), so a skipped
+ring never finds it parked."""
 
 
 def directory_for(bootstrap: str) -> Path:

@@ -20,7 +20,8 @@ assemble records), unless that partition's position has not moved for
 watermark for ever, e.g. a Faust changelog partition at 0 of 1; the response
 reader's supervisor handles a reader that is really stuck); records on a latency-critical ("hot") partition within
 ``active_window_s`` → ``active_ms``; otherwise a wait that doubles for every
-further second of quiet, from ``active_ms`` up to ``idle_ms``. The first
+further second of quiet, from ``active_ms`` up to ``idle_ms`` (straight to
+``idle_ms`` for a consumer every writer rings, :attr:`FetchWaitPolicy.rung`). The first
 record after a quiet spell therefore pays up to the current wait on each hop
 whose consumer was idle (at most ``idle_ms`` after a long one); under
 traffic every hop runs at ``active_ms``.
@@ -83,6 +84,13 @@ class FetchWaitPolicy:
     """True while the consumer's process waits on records it will read (e.g.
     a client with streams in flight): counts as activity, so the consumer
     never parks in a long poll then. None: never busy."""
+    rung: bool = False
+    """Every writer of the records that make this consumer active rings it
+    (:func:`produced`; e.g. a worker's queue, which only routers and
+    forwarding workers write): once its active window has passed it parks at
+    ``idle_ms`` at once instead of stepping the wait up from ``active_ms``.
+    On a sparse topic (a request every few seconds per worker) that is a
+    handful of fetches per record instead of one per ``active_ms``."""
     cut_above_ms: int = 50
     """A wake cuts short an in-flight fetch sent with a longer wait than this."""
     sent_ms: int = 0
@@ -137,7 +145,7 @@ class FetchWaitPolicy:
             return self.catch_up_ms
         if quiet < 0:
             return self.active_ms
-        if quiet >= 32:
+        if self.rung or quiet >= 32:
             return self.idle_ms
         return int(min(self.idle_ms, self.active_ms * 2 ** quiet))
 
@@ -286,8 +294,8 @@ def produced(topic: str, partition: int | None = None) -> None:
     (:func:`kvflow.streams.doorbell.ring`).
 
     So the first record after a quiet spell does not wait out an idle
-    consumer's long poll on the hop it takes. Cheap when nothing is parked:
-    one comparison per local consumer, and at most one ring per partition
+    consumer's long poll on the hop it takes. Cheap: a look at each local
+    consumer's assignment, and at most one ring per partition
     per :data:`~kvflow.streams.doorbell.RING_GAP_S`.
     """
     woken(topic, partition)
@@ -297,13 +305,14 @@ def produced(topic: str, partition: int | None = None) -> None:
 
 
 def woken(topic: str, partition: int | None = None) -> None:
-    """Wake this process's adaptive consumers assigned ``topic``
-    (``partition``, or None for any) that are parked in a long fetch.
-    What a doorbell ring runs (:mod:`kvflow.streams.doorbell`)."""
+    """Mark activity on this process's adaptive consumers assigned ``topic``
+    (``partition``, or None for any) and cut the fetch of those parked in a
+    long one. What a doorbell ring runs (:mod:`kvflow.streams.doorbell`)."""
     now = time.monotonic()
     for consumer, policy in list(_local.items()):
-        if policy.sent_ms <= policy.cut_above_ms:
-            continue
+        # A consumer polling fast is not cut, but the ring still counts as activity: the record
+        # may land just after its fetch in flight (a ring can precede the write it announces),
+        # and a rung consumer whose window ended then would park past it.
         try:
             assigned = consumer.assignment()
         except Exception:  # noqa: BLE001 - consumer stopping or being reassigned

@@ -79,46 +79,62 @@ def NOT_HOT(topic: str) -> bool:
     return False
 
 
+RUNG_ACTIVE_WINDOW_S = doorbell.RING_GAP_S + 0.25
+"""Active window of a consumer every writer rings (:attr:`FetchWaitPolicy.rung`),
+seconds: a ring skipped because the partition was rung less than
+:data:`~kvflow.streams.doorbell.RING_GAP_S` ago still finds the consumer
+polling fast (0.25 s of margin: several ``fetch_max_wait_ms`` polls after the
+record)."""
+
+
 def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None,
-                      idle_ms: int | None = None, busy: Callable[[], bool] | None = None) -> FetchWaitPolicy:
+                      idle_ms: int | None = None, busy: Callable[[], bool] | None = None,
+                      rung: bool = False) -> FetchWaitPolicy:
     """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`);
     ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms``; ``busy`` says when
-    the consumer must not park in a long poll (see :attr:`FetchWaitPolicy.busy`)."""
+    the consumer must not park in a long poll (see :attr:`FetchWaitPolicy.busy`); ``rung``: every
+    writer of its hot records rings it (:attr:`FetchWaitPolicy.rung`; its active window is then
+    at most :data:`RUNG_ACTIVE_WINDOW_S`)."""
     idle = settings.fetch_idle_wait_ms if idle_ms is None else min(idle_ms, settings.fetch_idle_wait_ms)
+    window = min(settings.fetch_active_window_s, RUNG_ACTIVE_WINDOW_S) if rung else settings.fetch_active_window_s
     return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=idle,
                            catch_up_ms=settings.fetch_catch_up_wait_ms,
-                           active_window_s=settings.fetch_active_window_s, hot=hot, busy=busy)
+                           active_window_s=window, hot=hot, busy=busy, rung=rung)
 
 
-def open_doorbell(settings: Settings) -> None:
+def open_doorbell(settings: Settings) -> bool:
     """On the embedded broker, make this process's parked consumers wakeable by
     producers in other processes (:mod:`kvflow.streams.doorbell`); no-op on a
     real Kafka cluster or when the socket cannot be opened (logged: long polls
-    then run out on their own, as without it). Call from the running loop."""
+    then run out on their own, as without it). Call from the running loop.
+    Returns whether this process is ringable."""
     if not settings.embedded_broker:
-        return
+        return False
     try:
         doorbell.open_doorbell(bootstrap(settings), woken)
     except OSError as exc:
         log.warning("no doorbell for cross-process wake-ups (%s); idle consumers wait out their long polls", exc)
+        return False
+    return True
 
 
 def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
                      hot: Callable[[str], bool] | None = None, *, idle_ms: int | None = None,
-                     busy: Callable[[], bool] | None = None) -> FetchWaitPolicy | None:
+                     busy: Callable[[], bool] | None = None, rung: bool = False) -> FetchWaitPolicy | None:
     """Give a started consumer of the embedded broker an adaptive fetch wait,
     and open this process's doorbell (:func:`open_doorbell`).
 
     ``hot``: topics whose records count as activity (None: all; :func:`NOT_HOT`
     for background consumers); ``idle_ms``: a lower cap on its quiet wait;
-    ``busy``: see :attr:`FetchWaitPolicy.busy`.
+    ``busy``: see :attr:`FetchWaitPolicy.busy`; ``rung``: see :attr:`FetchWaitPolicy.rung`
+    (ignored when this process cannot open its doorbell).
     Returns the policy, or None on a real Kafka cluster, whose broker cuts
     long-polls short and needs none.
     """
     if not settings.embedded_broker:
         return None
-    open_doorbell(settings)
-    return install(consumer, fetch_wait_policy(settings, hot, idle_ms, busy))
+    ringable = open_doorbell(settings)
+    return install(consumer, fetch_wait_policy(settings, hot, idle_ms, busy, rung=rung and ringable))
 
 
 async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -118,7 +119,7 @@ from kvflow.workers.lora import AdapterError, AdapterManager
 from kvflow.workers.prometheus import WorkerExporter
 from kvflow.workers.stops import StopChecker
 
-__all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED"]
+__all__ = ["WorkerConfig", "Worker", "CANCELS_REMEMBERED", "flush_tick"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,22 @@ CATCH_UP_TIMEOUT_S = 10.0
 """Longest a starting worker spends reading back recent cancels before it
 takes work (4096 records take milliseconds; the bound is for a broker that
 stalls)."""
+
+
+_ticks = itertools.count()
+
+
+def flush_tick(period_s: float, now: float | None = None) -> int:
+    """Index of the current tick of the worker-wide delta flush clock.
+
+    The clock ticks every ``period_s`` seconds of ``now`` (default
+    ``time.monotonic()``); a stream's buffered tokens go out at its first
+    engine output in a later tick than the one its buffer started in. With
+    ``period_s`` 0 every call is a new tick (a delta per engine output).
+    """
+    if period_s <= 0:
+        return next(_ticks)
+    return int((time.monotonic() if now is None else now) // period_s)
 
 
 @dataclass
@@ -239,8 +256,10 @@ class Worker:
         if committed is None:
             await self.consumer.seek_to_end(self.queue_tp)
         await self.consumer.position(self.queue_tp)
-        # Busy: cancels for the requests it runs must not wait out an idle long poll.
-        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__, busy=self.inflight.__len__)
+        # Rung: every writer of its queue and control topics (routers, forwarding workers, clients
+        # sending cancels, admin) rings this process, so it parks between requests even while it
+        # serves some instead of polling every fetch_max_wait_ms (~25 fetches/s per worker).
+        adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__, rung=True)
         await self._position_control()
         if self.config.role is not WorkerRole.aggregated and isinstance(self.engine, ExposesKvLayout):
             await self.kv_transport()  # pick and log the KV transfer backend before taking work
@@ -400,6 +419,7 @@ class Worker:
         with the current trace context in its headers."""
         await self.producer.send_and_wait(topic, encode(record), key=key, partition=partition,
                                           headers=inject_headers())
+        produced(topic, partition)  # its worker may be parked in a long poll
 
     async def kv_transport(self) -> KvTransport:
         """This worker's KV transport, started on first use (NIXL or TCP, see
@@ -684,11 +704,14 @@ class Worker:
         apply stop strings, send :class:`TokenDelta` records, then the :class:`FinalResponse`.
 
         The first output is sent at once; later ones are coalesced into one
-        delta per ``settings.stream_flush_tokens`` tokens or
-        ``settings.stream_flush_ms`` of buffering, whichever comes first
-        (checked at each engine output), and whatever is buffered goes out
-        before the final response. Fewer, bigger records cut the broker and
-        reader work per token (docs/benchmarks.md, "Live path").
+        delta per ``settings.stream_flush_tokens`` tokens, or at the first
+        engine output after the next tick of a clock ticking every
+        ``settings.stream_flush_ms`` (:func:`flush_tick`), whichever comes
+        first, and whatever is buffered goes out before the final response.
+        The clock is shared by all of the worker's streams, so the deltas of
+        one engine step leave together and share one produce request. Fewer,
+        bigger records cut the broker and reader work per token
+        (docs/benchmarks.md, "Live path").
 
         ``cached_tokens`` overrides the prefix-cache hit reported by the
         first output (a remote prefill reports the prefill worker's);
@@ -708,7 +731,7 @@ class Worker:
         text_parts: list[str] = []
         buf_ids: list[int] = []
         buf_text: list[str] = []
-        buf_since = 0.0
+        buf_tick = 0
         timer = self.prom.track()
         timer.started_s -= max(0, now_ms() - received_ms) / 1000  # TTFT counts from the queue record's arrival
 
@@ -745,11 +768,12 @@ class Worker:
                     text += stops.flush() + detok.flush()
                 if text or out.token_ids:
                     text_parts.append(text)
+                    tick = flush_tick(flush_s)
                     if not buf_ids and not buf_text:
-                        buf_since = time.monotonic()
+                        buf_tick = tick
                     buf_ids.extend(out.token_ids)
                     buf_text.append(text)
-                    if index == 0 or len(buf_ids) >= flush_tokens or time.monotonic() - buf_since >= flush_s:
+                    if index == 0 or len(buf_ids) >= flush_tokens or tick != buf_tick:
                         await flush()
                 if stopped or out.finish_reason is not None:
                     break

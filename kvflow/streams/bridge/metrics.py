@@ -7,7 +7,9 @@ Prometheus and, for requests that reached the pipeline, hands one
 :class:`RequestMetrics` record to the publisher (the metrics topic).
 
 Times are measured on the bridge from the moment the HTTP body was read, so
-TTFT includes tokenization, Kafka hops, routing and queueing.
+TTFT includes tokenization, Kafka hops, routing and queueing;
+``kvflow_bridge_prepare_seconds`` is the part before the request record
+exists (parsing, chat template, tokenizing).
 
 Disaggregated serving is read off each successful final response: a request
 whose ``kv_transfer`` is set and not ``recomputed`` had its prefill on a
@@ -95,6 +97,9 @@ class BridgeMetrics:
                                ["endpoint"], registry=r)
         self.ttft = Histogram("kvflow_bridge_ttft_seconds", "Time to first token, from body read.",
                               ["model"], buckets=_TTFT_BUCKETS_S, registry=r)
+        self.prepare = Histogram("kvflow_bridge_prepare_seconds",
+                                 "Body read to request record built (parsing, chat template, tokenizing).",
+                                 ["model"], buckets=_TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram("kvflow_bridge_itl_seconds", "Inter-token latency (one sample per token).",
                              ["model"], buckets=_ITL_BUCKETS_S, registry=r)
         self.duration = Histogram("kvflow_bridge_request_duration_seconds", "Request duration, body read to end.",
@@ -222,6 +227,7 @@ class RequestObserver:
         self.request_id, self.model, self.isl = request_id, model, isl
         if not self.replay:
             self.metrics.isl.labels(model).observe(isl)
+            self.metrics.prepare.labels(model).observe(self.clock() - self.started_s)
 
     def on_event(self, event: TokenDelta | FinalResponse) -> None:
         """Account for one response record as it arrives."""

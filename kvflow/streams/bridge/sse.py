@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -35,7 +36,7 @@ from kvflow.streams.bridge.openai_format import (
     completion_usage_chunk,
 )
 
-__all__ = ["DONE", "sse_event", "chat_sse", "completion_sse", "with_ids", "EventStreamResponse", "SSE_HEADERS"]
+__all__ = ["DONE", "sse_event", "text_events", "chat_sse", "completion_sse", "with_ids", "EventStreamResponse", "SSE_HEADERS"]
 
 DONE = b"data: [DONE]\n\n"
 """The event that ends every OpenAI stream."""
@@ -55,13 +56,32 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
     return b"data: " + data.encode() + b"\n\n"
 
 
+_MARK = "\x00kvflow-text\x00"
+
+
+def text_events(text_chunk: Callable[[str], BaseModel]) -> Callable[[str], bytes]:
+    """``lambda text: sse_event(text_chunk(text))``, the same bytes, built once
+    per stream: the chunk is serialized once around a marker text and each
+    event splices the JSON-encoded text in, instead of building and dumping
+    three pydantic models per delta on the bridge's event loop. Falls back to
+    the plain path if the marker does not occur exactly once."""
+    body = text_chunk(_MARK).model_dump_json().encode()
+    marker = to_json(_MARK)
+    if body.count(marker) != 1:
+        return lambda text: sse_event(text_chunk(text))
+    head, tail = body.split(marker)
+    head, tail = b"data: " + head, tail + b"\n\n"
+    return lambda text: head + to_json(text) + tail
+
+
 async def _final_events(records: Records, text_chunk: Callable[[str], BaseModel],
                         finish: Callable[[FinalResponse], list[BaseModel]]) -> AsyncIterator[bytes]:
+    text_event = text_events(text_chunk)
     try:
         async for record in records:
             if isinstance(record, TokenDelta):
                 if record.text:  # empty while a multi-byte character is incomplete
-                    yield sse_event(text_chunk(record.text))
+                    yield text_event(record.text)
                 continue
             if record.error is not None:
                 yield sse_event(from_error_info(record.error).body())
