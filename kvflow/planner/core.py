@@ -65,7 +65,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from kvflow.planner.interpolation import LatencySurface, OperatingPoint, PerfModel
+from kvflow.planner.interpolation import LatencySurface, OperatingPoint, PerfSource
 from kvflow.planner.predictors import PREDICTORS, LoadPredictor, make_predictor
 from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerRole
@@ -391,7 +391,7 @@ class PlannerState:
     """
 
     config: PlannerConfig
-    perf: PerfModel
+    perf: PerfSource
     predictors: LoadPredictors
     targets: Mapping[WorkerRole, int] = field(default_factory=dict)
     down_runs: Mapping[WorkerRole, tuple[int, ...]] = field(default_factory=dict)
@@ -402,7 +402,7 @@ class PlannerState:
     prefill_predictors: LoadPredictors | None = None
 
 
-def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
+def initial_state(config: PlannerConfig, perf: PerfSource) -> PlannerState:
     """A fresh planner: empty predictors, corrections 1.0, no targets yet.
 
     Raises:
@@ -479,11 +479,13 @@ def _corrections_from(state: PlannerState, tick: TickInput, pt: TrafficObservati
         eff_isl = max(1.0, pt.mean_isl * (1.0 - hit_rate))
         ttft = pt.p99_ttft_ms if cfg.ttft_statistic == "p99" else pt.mean_ttft_ms
         if ttft is not None:
-            p_corr = _correction(perf.prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p, ttft, p_corr, cfg)
+            p_corr = _correction(perf.at_osl(pt.mean_osl).prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p,
+                                 ttft, p_corr, cfg)
     if dt is not None and dt.num_requests > 0 and dt.mean_isl and dt.mean_osl and n_d > 0:
         itl = dt.p99_itl_ms if cfg.itl_statistic == "p99" else dt.mean_itl_ms
         if itl is not None:
-            d_corr = _correction(perf.decode, dt.mean_isl + dt.mean_osl / 2, dt.request_rate_per_s * dt.mean_osl / n_d,
+            d_corr = _correction(perf.at_osl(dt.mean_osl).decode, dt.mean_isl + dt.mean_osl / 2,
+                                 dt.request_rate_per_s * dt.mean_osl / n_d,
                                  itl, d_corr, cfg)
     return p_corr, d_corr
 
@@ -519,10 +521,11 @@ def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: f
         if p_pred.osl is None and p_pred.isl is not None:
             p_pred = replace(p_pred, osl=1.0)  # prefill sizing reads no output length
         return _phase_needs(state, p_pred, p_corr, d_corr)[0], _phase_needs(state, pred, p_corr, d_corr)[1]
-    cfg, perf = state.config, state.perf
+    cfg = state.config
     if pred.request_rate_per_s <= 0 or pred.isl is None or pred.osl is None:
         idle = _Need(0.0, 0.0, None, "no predicted load")
         return idle, idle
+    perf = state.perf.at_osl(pred.osl)  # the profile of the predicted output length (PerfFamily)
     rate = pred.request_rate_per_s
     eff_isl = max(1.0, pred.isl * (1.0 - pred.kv_hit_rate))
     ttft_goal = cfg.ttft_ms / p_corr

@@ -146,7 +146,7 @@ def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | 
         return f"p99 ITL {sig.p99_itl_ms:.1f} ms > {cfg.itl_ms:g}"
     ready = sig.ready_replicas.get(pool, 0)
     if sig.waiting_prefill_tokens and sig.mean_isl:
-        per_replica = perf.prefill.max_throughput(max(1.0, sig.mean_isl))  # tokens/s
+        per_replica = perf.at_osl(sig.mean_osl).prefill.max_throughput(max(1.0, sig.mean_isl))  # tokens/s
         budget = per_replica * max(1, ready) * cfg.ttft_ms / 1000.0
         if sig.waiting_prefill_tokens > budget:
             return f"{sig.waiting_prefill_tokens} prompt tokens wait > {budget:.0f} computable within the TTFT target"

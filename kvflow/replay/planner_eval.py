@@ -52,13 +52,14 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from kvflow.planner.core import (
     PlannerConfig, PlannerMode, PlannerState, Prediction, TickInput, initial_state, on_tick, pool_needs,
 )
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import PerfFamily, PerfModel, PerfSource
 from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile, run_profile
 from kvflow.planner.reactive import LiveSignals, on_signals
 from kvflow.planner.queries import IntervalAggregates
@@ -88,6 +89,8 @@ __all__ = [
     "PROFILE_KINDS",
     "closed_loop_point",
     "aggregated_mocker_profile",
+    "aggregated_mocker_profiles",
+    "PROFILE_OSLS",
 ]
 
 _MS_PER_HOUR = 3_600_000.0
@@ -190,7 +193,7 @@ class SlaPlannerHook:
 
     role = WorkerRole.aggregated
 
-    def __init__(self, config: PlannerConfig, perf: PerfModel, *, fast_interval_s: float | None = 1.0) -> None:
+    def __init__(self, config: PlannerConfig, perf: PerfSource, *, fast_interval_s: float | None = 1.0) -> None:
         if config.mode is not PlannerMode.aggregated:
             raise ValueError("offline replay simulates aggregated workers; use PlannerConfig(mode='aggregated')")
         if fast_interval_s is not None and fast_interval_s <= 0:
@@ -389,7 +392,7 @@ class PlannerRun:
         return max((s.live for s in replica_steps(self.lifetimes)), default=0)
 
 
-def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfModel) -> int:
+def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfSource) -> int:
     """The pool a planner already running when ``trace`` begins would hold.
 
     A trace is a slice of traffic that was arriving before it: a deployment
@@ -418,7 +421,7 @@ def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfModel) ->
     return min(config.max_gpus, max(lo, math.ceil(need - 1e-9)))
 
 
-def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfModel, *,
+def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfSource, *,
                      sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
                      progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerRun:
     """Simulate ``trace`` with the SLA planner; ``sim_config.workers`` is the
@@ -640,6 +643,25 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
     )
 
 
+PROFILE_OSLS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+"""Mean output lengths :func:`aggregated_mocker_profiles` profiles at, tokens: from
+completion-like to long answers, doubling (a :class:`~kvflow.planner.interpolation.PerfFamily`
+blends neighbours in log OSL)."""
+
+
+def aggregated_mocker_profiles(config: MockerConfig, *, osls: Sequence[int] = PROFILE_OSLS,
+                               **kwargs: Any) -> list[Profile]:
+    """One :func:`aggregated_mocker_profile` per mean OSL in ``osls`` (same ISL and
+    concurrency axes), for a :class:`~kvflow.planner.interpolation.PerfFamily`
+    (``PerfFamily.from_profiles``) that sizes by the traffic's observed OSL
+    instead of one fixed OSL. ``kwargs`` go to each profile.
+
+    Raises:
+        ValueError: as :func:`aggregated_mocker_profile`.
+    """
+    return [aggregated_mocker_profile(config, osl=float(o), **kwargs) for o in osls]
+
+
 @dataclass
 class PlannerEvaluation:
     """A planner run and its static baselines (see the module docstring)."""
@@ -653,7 +675,8 @@ class PlannerEvaluation:
 
 def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, *,
                      max_replicas: int, sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
-                     sla_target: float = 0.99, profile: Profile | None = None, profile_kind: str = "aggregated",
+                     sla_target: float = 0.99, profile: Profile | Sequence[Profile] | None = None,
+                     profile_kind: str = "aggregated",
                      progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerEvaluation:
     """Run ``trace`` with the SLA planner, then on the static-peak and static-mean pools.
 
@@ -668,9 +691,11 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
             thresholds for tail headroom; one steering the p99
             (``itl_statistic="p99"``) can take the thresholds as they are.
         sla_target: attainment the static-peak pool must reach, in (0, 1].
-        profile: the planner's profile; default: :func:`profile_for` the
-            simulator's mocker as ``profile_kind`` (the aggregated kind with
-            the trace's mean OSL).
+        profile: the planner's profile; several profiles at different mean
+            OSLs (:func:`aggregated_mocker_profiles`) make a
+            :class:`~kvflow.planner.interpolation.PerfFamily` that sizes by the
+            observed OSL; default: :func:`profile_for` the simulator's mocker
+            as ``profile_kind`` (the aggregated kind with the trace's mean OSL).
         profile_kind: one of :data:`PROFILE_KINDS`; recorded in the summary's
             settings (``"given"`` when ``profile`` is passed).
         progress: progress bar for the planner run.
@@ -690,7 +715,12 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
         profile = profile_for(mocker, profile_kind, osl=max(2.0, mean_osl))
     else:
         profile_kind = "given"
-    perf = PerfModel.from_profile(profile)
+    if isinstance(profile, Profile):
+        perf: PerfSource = PerfModel.from_profile(profile)
+        profile_osl = profile.engine_config.get("osl")
+    else:
+        perf = PerfFamily.from_profiles(profile)
+        profile_osl = [p.engine_config.get("osl") for p in profile]
     ttft = planner_config.ttft_ms if sla_ttft_ms is None else sla_ttft_ms
     itl = planner_config.itl_ms if sla_itl_ms is None else sla_itl_ms
     run = run_with_planner(trace, sim_config, planner_config, perf, sla_ttft_ms=ttft, sla_itl_ms=itl,
@@ -704,7 +734,7 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
     peak, mean = runs[peak_n], runs[mean_n]
     settings = {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(planner_config).items()}
     settings |= {"predictor_kwargs": dict(planner_config.predictor_kwargs), "initial_replicas": sim_config.workers,
-                 "profile": profile_kind, "profile_osl": profile.engine_config.get("osl"),
+                 "profile": profile_kind, "profile_osl": profile_osl,
                  "speedup_ratio": mocker.speedup_ratio, "worker_startup_ms": sim_config.worker_startup_ms}
     summary = PlannerSummary(
         settings=settings, sla_target=sla_target, ticks=run.hook.ticks,
