@@ -147,9 +147,12 @@ def static_pool_peak(trace, sim: SimConfig, pools: list[str], max_workers: int, 
     return out
 
 
-def perf_of(profile: Profile | list[Profile]) -> PerfSource:
-    """The planner's model of one profile, or the OSL family of several."""
-    return PerfModel.from_profile(profile) if isinstance(profile, Profile) else PerfFamily.from_profiles(profile)
+def perf_of(profile: Profile | list[Profile], cfg: PlannerConfig) -> PerfSource:
+    """The planner's model of one profile, or the OSL family of several, read at the
+    planner's latency statistics (p99 grids for a p99 target)."""
+    stats = {"ttft_statistic": cfg.ttft_statistic, "itl_statistic": cfg.itl_statistic}
+    return (PerfModel.from_profile(profile, **stats) if isinstance(profile, Profile)
+            else PerfFamily.from_profiles(profile, **stats))
 
 
 def pools_rows(args, cfg: PlannerConfig, perf: PerfSource, mocker: MockerConfig, startup_s: float,
@@ -246,7 +249,7 @@ def trace_row(name: str, path: Path, burst_start: float | None, args, cfg: Plann
     """Evaluate one trace at one start-up time: the planner against static peak and static mean."""
     t0 = time.perf_counter()
     trace = read_trace(path, end_ms=args.azure_end_s * 1000 if name == "azure_conv" else None)
-    initial = (warm_start_replicas(trace, cfg, perf_of(profile)) if args.initial_workers == "warm"
+    initial = (warm_start_replicas(trace, cfg, perf_of(profile, cfg)) if args.initial_workers == "warm"
                else int(args.initial_workers))
     sim = SimConfig(workers=initial, policy="round_robin", mocker=mocker, worker_startup_ms=startup_s * 1000.0)
     ev = evaluate_planner(trace, sim, cfg, max_replicas=args.max_workers, sla_ttft_ms=SLA_TTFT_MS,
@@ -324,7 +327,7 @@ def main() -> None:
             rows.append(trace_row(name, path, burst_start, args, cfg, profile, mocker, startup_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if not args.no_pools:
-            for row in pools_rows(args, cfg, perf_of(profile), mocker, startup_s, tmp):
+            for row in pools_rows(args, cfg, perf_of(profile, cfg), mocker, startup_s, tmp):
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"speedup_ratio": args.speedup_ratio, "worker_startup_s": startups,

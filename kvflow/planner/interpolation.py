@@ -174,12 +174,23 @@ class PerfModel:
     decode: LatencySurface
 
     @classmethod
-    def from_profile(cls, profile: Profile, refine: int = 16) -> PerfModel:
-        """Build both surfaces from a :class:`~kvflow.planner.profile.Profile`."""
+    def from_profile(cls, profile: Profile, refine: int = 16, *, ttft_statistic: str = "mean",
+                     itl_statistic: str = "mean") -> PerfModel:
+        """Build both surfaces from a :class:`~kvflow.planner.profile.Profile`.
+
+        ``ttft_statistic`` / ``itl_statistic`` ``"p99"`` take the latency
+        grids of the requests' 99th percentile (``ttft_p99_ms`` /
+        ``itl_p99_ms``) where the profile has them, so a planner targeting the
+        p99 compares like with like (its correction factor is then observed
+        p99 / profiled p99, near 1 before it learnt anything, instead of
+        observed p99 / profiled mean); without them, the mean grids.
+        """
         p, d = profile.prefill, profile.decode
+        ttft = p.ttft_p99_ms if ttft_statistic == "p99" and p.ttft_p99_ms is not None else p.ttft_ms
+        itl = d.itl_p99_ms if itl_statistic == "p99" and d.itl_p99_ms is not None else d.itl_ms
         return cls(
-            prefill=LatencySurface(p.isl, p.concurrency, p.ttft_ms, p.throughput_tokens_per_s, refine),
-            decode=LatencySurface(d.context_length, d.concurrency, d.itl_ms, d.throughput_tokens_per_s, refine),
+            prefill=LatencySurface(p.isl, p.concurrency, ttft, p.throughput_tokens_per_s, refine),
+            decode=LatencySurface(d.context_length, d.concurrency, itl, d.throughput_tokens_per_s, refine),
         )
 
     def at_osl(self, osl: float | None) -> PerfModel:
@@ -259,8 +270,10 @@ class PerfFamily:
         self._cache: dict[int, PerfModel] = {}
 
     @classmethod
-    def from_profiles(cls, profiles: Sequence[Profile], refine: int = 16) -> PerfFamily:
-        """A family from profiles recording their mean OSL in ``engine_config["osl"]``.
+    def from_profiles(cls, profiles: Sequence[Profile], refine: int = 16, *, ttft_statistic: str = "mean",
+                      itl_statistic: str = "mean") -> PerfFamily:
+        """A family from profiles recording their mean OSL in ``engine_config["osl"]``
+        (statistics as :meth:`PerfModel.from_profile`).
 
         Raises:
             ValueError: a profile without ``osl``, or as the constructor.
@@ -270,7 +283,8 @@ class PerfFamily:
             osl = p.engine_config.get("osl")
             if osl is None:
                 raise ValueError(f"profile {p.model!r} records no mean OSL (engine_config['osl'])")
-            models.append((float(osl), PerfModel.from_profile(p, refine)))
+            models.append((float(osl), PerfModel.from_profile(p, refine, ttft_statistic=ttft_statistic,
+                                                              itl_statistic=itl_statistic)))
         return cls(models)
 
     @property

@@ -88,6 +88,7 @@ __all__ = [
     "profile_for",
     "PROFILE_KINDS",
     "closed_loop_point",
+    "closed_loop_stats",
     "aggregated_mocker_profile",
     "aggregated_mocker_profiles",
     "PROFILE_OSLS",
@@ -520,6 +521,17 @@ _GOLDEN = 0.6180339887498949  # Weyl sequence: evenly spread output lengths with
 
 def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: int,
                       rounds: int) -> tuple[float, float, float, float]:
+    """One aggregated operating point of a mocker replica (:func:`closed_loop_stats`):
+    (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s).
+
+    Raises:
+        ValueError: as :func:`closed_loop_stats`.
+    """
+    return closed_loop_stats(config, isl, osl, concurrency, rounds)[:4]
+
+
+def closed_loop_stats(config: MockerConfig, isl: int, osl: float, concurrency: int,
+                      rounds: int) -> tuple[float, float, float, float, float, float]:
     """One aggregated operating point of a mocker replica, measured closed loop.
 
     ``concurrency`` clients each send ``rounds`` requests back to back to a
@@ -534,7 +546,8 @@ def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: i
     output tokens per second computed in it.
 
     Returns:
-        (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s).
+        (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s, p99 TTFT ms,
+        p99 of the requests' mean ITL ms); percentiles are numpy's default (linear).
 
     Raises:
         ValueError: no request was sent and finished inside the window (raise ``rounds``).
@@ -580,7 +593,8 @@ def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: i
     if not ttft or t_a is None or t_b is None or t_b <= t_a:
         raise ValueError(f"no steady window at isl={isl}, concurrency={concurrency}; raise rounds")
     span_s = (t_b - t_a) / 1000.0
-    return float(np.mean(ttft)), float(np.mean(itl)), prompt_tokens / span_s, output_tokens / span_s
+    return (float(np.mean(ttft)), float(np.mean(itl)), prompt_tokens / span_s, output_tokens / span_s,
+            float(np.percentile(ttft, 99)), float(np.percentile(itl, 99)))
 
 
 def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
@@ -599,6 +613,10 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
     context length ``isl + osl/2`` (where the planner core looks them up). A
     replica's prompt and output throughputs then describe the same share of
     its time, so the core's ``aggregated_sizing="max"`` is the right reading.
+
+    Each point also records the requests' p99 TTFT and p99 mean ITL
+    (``ttft_p99_ms`` / ``itl_p99_ms``), which a planner targeting the p99 sizes by
+    (:meth:`~kvflow.planner.interpolation.PerfModel.from_profile`).
 
     Prefix caching is off (every prompt token computed). Points that cannot
     run (a sequence larger than the KV pool, or more clients than
@@ -620,12 +638,12 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
             list(concurrencies) != sorted(set(concurrencies)):
         raise ValueError("isls and concurrencies must be positive and strictly increasing")
     cfg = replace(config, enable_prefix_caching=False)
-    grid: list[list[tuple[float, float, float, float] | None]] = []
+    grid: list[list[tuple[float, ...] | None]] = []
     for isl in isls:
         row = []
         for c in concurrencies:
             fits = c <= cfg.max_num_seqs and -(-(isl + int(1.5 * osl)) // cfg.block_size) <= cfg.num_kv_blocks
-            row.append(closed_loop_point(cfg, isl, osl, c, max(8, -(-min_requests // c))) if fits else None)
+            row.append(closed_loop_stats(cfg, isl, osl, c, max(8, -(-min_requests // c))) if fits else None)
         grid.append(row)
 
     def column(k: int) -> list[list[float | None]]:
@@ -636,10 +654,10 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
         engine="mocker", model="mocker-aggregated",
         engine_config=json.loads(json.dumps(asdict(cfg))) | {"profile": "aggregated", "osl": osl},
         prefill=PrefillProfile(isl=list(isls), concurrency=list(concurrencies), ttft_ms=column(0),
-                               throughput_tokens_per_s=column(2)),
+                               throughput_tokens_per_s=column(2), ttft_p99_ms=column(4)),
         decode=DecodeProfile(context_length=[isl + half for isl in isls], concurrency=list(concurrencies),
                              itl_ms=column(1), throughput_tokens_per_s=column(3),
-                             kv_usage=[[None] * len(concurrencies) for _ in isls]),
+                             kv_usage=[[None] * len(concurrencies) for _ in isls], itl_p99_ms=column(5)),
     )
 
 
@@ -715,11 +733,12 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
         profile = profile_for(mocker, profile_kind, osl=max(2.0, mean_osl))
     else:
         profile_kind = "given"
+    stats = {"ttft_statistic": planner_config.ttft_statistic, "itl_statistic": planner_config.itl_statistic}
     if isinstance(profile, Profile):
-        perf: PerfSource = PerfModel.from_profile(profile)
+        perf: PerfSource = PerfModel.from_profile(profile, **stats)
         profile_osl = profile.engine_config.get("osl")
     else:
-        perf = PerfFamily.from_profiles(profile)
+        perf = PerfFamily.from_profiles(profile, **stats)
         profile_osl = [p.engine_config.get("osl") for p in profile]
     ttft = planner_config.ttft_ms if sla_ttft_ms is None else sla_ttft_ms
     itl = planner_config.itl_ms if sla_itl_ms is None else sla_itl_ms
