@@ -136,3 +136,16 @@ def test_perf_family_rejects_profiles_without_osl_or_other_grids():
                              throughput_tokens_per_s=[[100]], kv_usage=[[None]]))
     with pytest.raises(ValueError, match="grids differ"):
         PerfFamily.from_profiles([_osl_profile(40, 100.0), other])
+
+
+def test_perf_model_reads_p99_grids_for_a_p99_target():
+    base = _osl_profile(40, 100.0)
+    profile = base.model_copy(update={"decode": base.decode.model_copy(update={"itl_p99_ms": [[8, 16]]}),
+                                      "prefill": base.prefill.model_copy(update={"ttft_p99_ms": [[15, 30]]})})
+    mean = PerfModel.from_profile(profile, refine=1)
+    p99 = PerfModel.from_profile(profile, refine=1, ttft_statistic="p99", itl_statistic="p99")
+    assert mean.decode.best(120, 10).throughput_tokens_per_s == 200.0  # mean ITL 10 ms at c=2
+    assert p99.decode.best(120, 10).throughput_tokens_per_s == 100.0  # p99 ITL 16 ms at c=2: only c=1 meets 10
+    assert p99.prefill.best(100, 20).throughput_tokens_per_s == 100.0
+    # a profile without p99 grids falls back to the mean ones
+    assert PerfModel.from_profile(base, refine=1, itl_statistic="p99").decode.best(120, 10).concurrency == 2

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvflow.planner.core import PlannerConfig, Prediction, initial_state, pool_needs
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import PerfFamily, PerfModel
 from kvflow.planner.queries import interval_aggregates
 from kvflow.replay.offline import run_offline
 from kvflow.replay.planner_eval import (
@@ -369,3 +369,25 @@ def test_cli_runs_the_planner_and_the_static_baselines(burst_csv, tmp_path):
     assert bad.exit_code != 0 and "starting pool" in bad.output
     bad = CliRunner().invoke(app, ["replay", str(burst_csv), "--planner", "sla", "--planner-itl-statistic", "p95"])
     assert bad.exit_code != 0 and "itl_statistic" in bad.output
+
+
+def test_osl_family_sizes_short_outputs_by_their_own_profile():
+    """A replica's capacity depends on the traffic's mean OSL (one prefill per request interrupts decode):
+    profiles at several OSLs size short-output traffic by the short-OSL profile, not by one taken at a long
+    OSL, and the p99 grids are never below the mean ones."""
+    kw = dict(isls=(256, 512, 1024), concurrencies=(1, 2, 4, 8, 16), min_requests=16)
+    short, long_ = (aggregated_mocker_profile(MOCKER, osl=o, **kw) for o in (8.0, 64.0))
+    for p in (short, long_):
+        for mean_row, p99_row in zip(p.decode.itl_ms, p.decode.itl_p99_ms):
+            assert all(b >= a for a, b in zip(mean_row, p99_row) if a is not None)
+    family = PerfFamily.from_profiles([short, long_], itl_statistic="p99")
+    cfg = planner_config(itl_ms=70.0)
+
+    def need(perf, osl: float) -> float:
+        return pool_needs(initial_state(cfg, perf), Prediction(20.0, ISL, osl, 0.0))[WorkerRole.aggregated][0]
+
+    by_short = need(PerfModel.from_profile(short, itl_statistic="p99"), 8.0)
+    by_long = need(PerfModel.from_profile(long_, itl_statistic="p99"), 8.0)
+    assert need(family, 8.0) == pytest.approx(by_short)
+    assert abs(by_short - by_long) > 0.2 * by_short  # one fixed-OSL profile misjudges short outputs
+    assert need(family, 64.0) == pytest.approx(need(PerfModel.from_profile(long_, itl_statistic="p99"), 64.0))
