@@ -20,6 +20,13 @@ default ``1,30`` is a mocker worker's measured start-up
 (``bench/worker_startup.py``: 0.9–1.1 s from spawn to serving) and a
 GPU-like 30 s.
 
+The planner sizes with aggregated mocker profiles taken at each mean OSL of
+:data:`kvflow.replay.planner_eval.PROFILE_OSLS` (16 to 512 tokens), read at
+its latency statistics (p99 grids for the p99 ITL target) and blended around
+the mean OSL it observes (:class:`kvflow.planner.interpolation.PerfFamily`);
+``--fixed-profile-osl N`` sizes with one profile at N tokens instead, as
+before.
+
 The planner starts from ``--initial-workers`` workers (default 2); ``warm``
 starts from the pool the planner core sizes for the first interval's load
 before it has learnt any correction
