@@ -27,22 +27,18 @@ from kvflow.cli_options import (
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
     DtypeOpt,
-    JoinPortOpt,
+    JoinOptions,
     KvCacheGbOpt,
     KvDiskGbOpt,
     KvHostGbOpt,
     NamespaceOpt,
     PolicyOpt,
-    ShedKvThresholdOpt,
-    ShedModeOpt,
-    ShedPrefillTokenThresholdOpt,
-    ShedColdStartHoldOpt,
-    ShedQueueCapacityOpt,
-    ShedQueueOrderOpt,
+    ShedOptions,
     StateFileOpt,
     check_policy,
     env_help,
     join_settings,
+    option_groups,
     parse_time_ms,
     resolve_settings,
     vllm_worker_args,
@@ -79,12 +75,21 @@ def _shadow(planner_mode: str) -> bool:
     return planner_mode == "shadow"
 
 
+def _served_models(generation: str | None, embedding: str | None, image: str | None) -> str:
+    """The models a ``kvflow up`` serves, for its ready line: each one given
+    (None: that kind has no worker, and no planner to start one), e.g.
+    ``"SmolLM2-135M-Instruct and all-MiniLM-L6-v2 (embeddings)"``; ``""`` for none."""
+    named = [generation, embedding and f"{embedding} (embeddings)", image and f"{image} (images)"]
+    return " and ".join(name for name in named if name)
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 @app.command()
+@option_groups
 def up(
     engine: Annotated[str, typer.Option(help="mocker | hf | vllm")] = "hf",
     workers: Annotated[int, typer.Option(min=0, help="Aggregated workers to start.")] = 1,
@@ -121,12 +126,7 @@ def up(
     bootstrap_servers: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     policy: PolicyOpt = None,
-    shed_mode: ShedModeOpt = None,
-    shed_queue_capacity: ShedQueueCapacityOpt = None,
-    shed_queue_order: ShedQueueOrderOpt = None,
-    shed_kv_threshold: ShedKvThresholdOpt = None,
-    shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
-    shed_cold_start_hold_s: ShedColdStartHoldOpt = None,
+    shed: ShedOptions = ShedOptions(),
     data_dir: DataDirOpt = None,
     state_file: StateFileOpt = None,
     planner: Annotated[str, typer.Option(help="none | sla: run the SLA planner and scale workers.")] = "none",
@@ -182,12 +182,8 @@ def up(
     shadow = _shadow(planner_mode)
     settings = resolve_settings(bootstrap_servers=bootstrap_servers, namespace=namespace, routing_policy=policy,
                                 disagg_prefill_threshold_tokens=disagg_threshold_tokens,
-                                disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue,
-                                shed_mode=shed_mode, shed_queue_capacity=shed_queue_capacity,
-                                shed_queue_order=shed_queue_order, shed_kv_threshold=shed_kv_threshold,
-                                shed_prefill_token_threshold=shed_prefill_token_threshold,
-                                shed_cold_start_hold_s=shed_cold_start_hold_s, api_keys_file=api_keys_file,
-                                data_dir=data_dir, state_file=state_file,
+                                disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue, **shed.given(),
+                                api_keys_file=api_keys_file, data_dir=data_dir, state_file=state_file,
                                 metrics_port=metrics_port)
     if settings.metrics_port is None:
         settings = settings.model_copy(update={"metrics_port": 0})
@@ -280,13 +276,14 @@ def up(
                 for _ in range(count):
                     await sup.start_worker(role)
             total = sum(count for _, count in pools)
-            also = f" and {embedding_workers} embedding worker(s) of {embedding_model}" if embedding_workers else ""
-            also += f" and {encode_workers} encode worker(s)" if encode_workers else ""
-            if image_workers:
-                also += (f" and {image_text_workers} text-stage + {image_workers} image-stage worker(s) of "
-                         f"{image_model}")
             generating = workers + prefill_workers + decode_workers
-            typer.echo(f"waiting for {generating} {engine} worker(s) of {model}{also} ...")
+            starting = [f"{generating} {engine} worker(s) of {model}"] if generating else []
+            starting += [f"{embedding_workers} embedding worker(s) of {embedding_model}"] if embedding_workers else []
+            starting += [f"{encode_workers} encode worker(s)"] if encode_workers else []
+            if image_workers:
+                starting.append(f"{image_text_workers} text-stage + {image_workers} image-stage worker(s) of "
+                                f"{image_model}")
+            typer.echo(f"waiting for {' and '.join(starting)} ..." if starting else "starting no worker")
             loading_since = time.monotonic()
             ready = asyncio.create_task(sup.wait_workers_ready(total))
             stopped = asyncio.create_task(stop.wait())
@@ -303,7 +300,11 @@ def up(
                 record()  # now with the workers' own /metrics URLs
                 for url in sup.worker_metrics_urls():
                     typer.echo(f"  worker metrics: {url}")
-                typer.echo(f"kvflow is serving {model} at {where}  (Ctrl-C to stop)")
+                served = _served_models(model if generating or plan is not None else None,
+                                        embedding_model if embedding_workers else None,
+                                        image_model if image_workers else None)
+                typer.echo(f"kvflow is serving {served} at {where}  (Ctrl-C to stop)" if served else
+                           f"kvflow is up at {where}, serving no model: no worker was started  (Ctrl-C to stop)")
                 await stop.wait()
             ready.cancel()
         finally:
@@ -315,6 +316,7 @@ def up(
 
 
 @app.command()
+@option_groups
 def worker(
     slot: Annotated[Optional[int], typer.Option(
         min=0, help="Queue partition this worker consumes (required). [env: KVFLOW_WORKER_SLOT]")] = None,
@@ -335,13 +337,9 @@ def worker(
     kv_disk_gb: KvDiskGbOpt = None,
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     embedded_broker: Annotated[Optional[bool], typer.Option(
         "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
     metrics_port: Annotated[Optional[int], typer.Option(
         min=0, max=65535, help="Serve this worker's Prometheus /metrics on this port (0: a free one; unset: "
                                "none). [env: KVFLOW_METRICS_PORT]")] = None,
@@ -353,10 +351,9 @@ def worker(
     from kvflow.workers.main import run_worker
 
     _logging(verbose)
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             worker_slot=slot, worker_id=worker_id, kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb,
-                             metrics_port=metrics_port, metrics_host=metrics_host)
+    settings = join.settings(embedded_broker=embedded_broker, worker_slot=slot, worker_id=worker_id,
+                             kv_host_gb=kv_host_gb, kv_disk_gb=kv_disk_gb, metrics_port=metrics_port,
+                             metrics_host=metrics_host)
     if settings.worker_slot is None:
         raise typer.BadParameter("--slot (or KVFLOW_WORKER_SLOT) is required", param_hint="--slot")
     from kvflow.streams.tracing import setup_tracing
@@ -370,6 +367,7 @@ def worker(
 
 
 @app.command("bridge")
+@option_groups
 def bridge_cmd(
     listen_port: Annotated[int, typer.Option(help="HTTP port this bridge serves on.")] = 8001,
     host: Annotated[str, typer.Option(help="Address this bridge listens on.")] = "127.0.0.1",
@@ -378,13 +376,9 @@ def bridge_cmd(
     api_keys_file: Annotated[Optional[Path], typer.Option(
         exists=True, dir_okay=False, readable=True,
         help="API keys, one per line (also KVFLOW_API_KEYS). [env: KVFLOW_API_KEYS_FILE]")] = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     embedded_broker: Annotated[Optional[bool], typer.Option(
         "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run one more OpenAI-compatible HTTP bridge in front of a running deployment.
@@ -399,9 +393,7 @@ def bridge_cmd(
     from kvflow.supervisor import BRIDGE_KEEP_ALIVE_S
 
     _logging(verbose)
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, embedded_broker=embedded_broker, data_dir=data_dir,
-                             api_keys_file=api_keys_file)
+    settings = join.settings(embedded_broker=embedded_broker, api_keys_file=api_keys_file)
     from kvflow.streams.tracing import setup_tracing
 
     setup_tracing(settings, "kvflow-bridge")
@@ -414,20 +406,16 @@ def bridge_cmd(
 
 
 @app.command()
+@option_groups
 def status(
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     scaling: Annotated[int, typer.Option(help="Also show the last N scaling commands (0: none).")] = 0,
 ) -> None:
     """List live workers and their queue depths (and recent scaling commands)."""
     from kvflow.streams.status import collect_status, render_status
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     rows = asyncio.run(collect_status(settings))
     commands = []
     if scaling > 0:
@@ -455,12 +443,11 @@ AdminTimeoutOpt = Annotated[float, typer.Option(
     help="Seconds to wait for the worker's answer (a sleep first waits for its in-flight requests).")]
 
 
-def _admin(action: str, worker_id: str, *, level: int, timeout_s: float, port, state_file, data_dir,
-           bootstrap_servers, namespace, lora_name: str | None = None, lora_uri: str | None = None) -> None:
+def _admin(action: str, worker_id: str, *, level: int = 1, timeout_s: float, join: JoinOptions,
+           lora_name: str | None = None, lora_uri: str | None = None) -> None:
     from kvflow.streams.admin import AdminTimeout, send_admin_command
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     try:
         answer = asyncio.run(send_admin_command(settings, worker_id, action, level=level, timeout_s=timeout_s,
                                                 lora_name=lora_name, lora_uri=lora_uri))
@@ -475,86 +462,69 @@ def _admin(action: str, worker_id: str, *, level: int, timeout_s: float, port, s
 
 
 @admin_app.command("sleep")
+@option_groups
 def admin_sleep(
     worker_id: WorkerArg,
     level: Annotated[int, typer.Option(min=1, max=2, help="1: keep weights in host memory; 2: discard them.")] = 1,
     timeout_s: AdminTimeoutOpt = 120.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Make WORKER unroutable, let it finish its requests, then put its engine to sleep (KV cache dropped)."""
-    _admin("sleep", worker_id, level=level, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+    _admin("sleep", worker_id, level=level, timeout_s=timeout_s, join=join)
 
 
-@admin_app.command("wake")
-def admin_wake(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 120.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
-) -> None:
-    """Wake WORKER's engine; it is routable again."""
-    _admin("wake", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+def _worker_only_admin(action: str, default_timeout_s: float, doc: str) -> None:
+    """Register ``kvflow admin <action>`` (``_`` spelled ``-``): an admin command
+    that takes only the worker, ``--timeout-s`` (default ``default_timeout_s``) and
+    the join options; ``doc`` is its help."""
+
+    def command(worker_id: WorkerArg, timeout_s: AdminTimeoutOpt = default_timeout_s,
+                join: JoinOptions = JoinOptions()) -> None:
+        _admin(action, worker_id, timeout_s=timeout_s, join=join)
+
+    command.__name__ = command.__qualname__ = f"admin_{action}"
+    command.__doc__ = doc
+    admin_app.command(action.replace("_", "-"))(option_groups(command))
 
 
-@admin_app.command("clear-kv")
-def admin_clear_kv(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 30.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
-) -> None:
-    """Drop every cached KV block of WORKER (routers drop them from their index); refused while requests run."""
-    _admin("clear_kv", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
-
+_worker_only_admin("wake", 120.0, "Wake WORKER's engine; it is routable again.")
+_worker_only_admin("clear_kv", 30.0, "Drop every cached KV block of WORKER (routers drop them from their index); "
+                                     "refused while requests run.")
 
 LoraNameArg = Annotated[str, typer.Argument(help="Adapter name (clients send it as the OpenAI `model`).")]
 
 
 @admin_app.command("load-lora")
+@option_groups
 def admin_load_lora(
     worker_id: WorkerArg,
     name: LoraNameArg,
     uri: Annotated[str, typer.Argument(help="Adapter location: file:///dir (a peft adapter directory) or a "
                                             "registered scheme.")],
     timeout_s: AdminTimeoutOpt = 300.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Load the LoRA adapter at URI on WORKER as NAME; requests with `model` NAME are then routed to it."""
-    _admin("load_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace, lora_name=name, lora_uri=uri)
+    _admin("load_lora", worker_id, timeout_s=timeout_s, join=join, lora_name=name, lora_uri=uri)
 
 
 @admin_app.command("unload-lora")
+@option_groups
 def admin_unload_lora(
     worker_id: WorkerArg,
     name: LoraNameArg,
     timeout_s: AdminTimeoutOpt = 60.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Unload LoRA adapter NAME from WORKER (refused while requests use it)."""
-    _admin("unload_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace, lora_name=name)
+    _admin("unload_lora", worker_id, timeout_s=timeout_s, join=join, lora_name=name)
 
 
-@admin_app.command("list-lora")
-def admin_list_lora(
-    worker_id: WorkerArg,
-    timeout_s: AdminTimeoutOpt = 30.0,
-    port: JoinPortOpt = None, state_file: StateFileOpt = None, data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None, namespace: NamespaceOpt = None,
-) -> None:
-    """List the LoRA adapters loaded on WORKER."""
-    _admin("list_lora", worker_id, level=1, timeout_s=timeout_s, port=port, state_file=state_file,
-           data_dir=data_dir, bootstrap_servers=bootstrap_servers, namespace=namespace)
+_worker_only_admin("list_lora", 30.0, "List the LoRA adapters loaded on WORKER.")
 
 
 @app.command("shadow")
+@option_groups
 def shadow_cmd(
     policy: Annotated[str, typer.Option(help="The policy to shadow the live router with (kv, round_robin, ...).")],
     duration_s: Annotated[Optional[float], typer.Option(min=0, help="Stop after this many seconds (unset: Ctrl-C).")]
@@ -562,11 +532,7 @@ def shadow_cmd(
     report_interval_s: Annotated[float, typer.Option(min=0.1, help="Seconds between summary lines.")] = 10.0,
     metrics_port: Annotated[Optional[int], typer.Option(
         min=0, max=65535, help="Serve kvflow_shadow_* on this port's /metrics (unset: none).")] = None,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     verbose: bool = False,
 ) -> None:
     """Shadow-route a running deployment's requests with --policy: decide each one, act on none.
@@ -580,8 +546,7 @@ def shadow_cmd(
 
     _logging(verbose)
     check_policy(policy)
-    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
-                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+    settings = join.settings()
 
     async def main() -> None:
         shadow = ShadowRouter(settings, policy)
@@ -617,15 +582,12 @@ def shadow_cmd(
 
 
 @app.command("index")
+@option_groups
 def index_cmd(
     at: Annotated[str, typer.Option(help="When: epoch ms, ISO 8601 (UTC unless zoned), 'now', or '-5m'.")] = "now",
     snapshot: Annotated[bool, typer.Option(help="Print every block hash per worker, not only counts.")] = False,
     progress: Annotated[bool, typer.Option(help="Report records read on stderr.")] = True,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Rebuild the global KV index as it was at --at from the kv-events and workers topics; print it as JSON.
 
@@ -635,8 +597,7 @@ def index_cmd(
     """
     from kvflow.router.history import index_at
 
-    settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
-                             bootstrap_servers=bootstrap_servers, namespace=namespace)
+    settings = join.settings()
     rebuilt = asyncio.run(index_at(settings, parse_time_ms(at), progress=progress))
     out = rebuilt.summary()
     if snapshot and rebuilt.index is not None:
@@ -645,13 +606,10 @@ def index_cmd(
 
 
 @app.command()
+@option_groups
 def explain(
     request_id: Annotated[str, typer.Argument(help="The request's id (FinalResponse.request_id).")],
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     as_json: Annotated[bool, typer.Option("--json", help="Print the decision records as JSON.")] = False,
 ) -> None:
     """Show how the router decided a request: the chosen worker and every candidate
@@ -663,8 +621,7 @@ def explain(
     from kvflow.streams.catalog import Catalog
     from kvflow.streams.explain import read_decisions, render_decision
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     catalog = Catalog(settings.namespace)
     records = asyncio.run(read_decisions(settings, request_id, catalog))
     if not records:
@@ -678,6 +635,7 @@ def explain(
 
 
 @app.command("eplb")
+@option_groups
 def eplb(
     model: Annotated[str, typer.Option(help="The MoE model the placement is for (the record's key).")],
     loads: Annotated[Path, typer.Option(help="Per-expert loads: JSON {\"load\": [[...]]} or .npy, [layers, experts].")],
@@ -687,18 +645,13 @@ def eplb(
     nodes: Annotated[int, typer.Option(min=1, help="Nodes the GPUs are spread over.")] = 1,
     interval_s: Annotated[float, typer.Option(min=0.1, help="Seconds between recomputations.")] = 60.0,
     once: Annotated[bool, typer.Option(help="Publish one placement and exit.")] = False,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """EPLB: recompute MODEL's expert placement from LOADS every interval and publish it on the
     expert-placement topic (kvflow/planner/eplb.py documents the map)."""
     from kvflow.planner.eplb_job import EplbJob, run_eplb_job
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     job = EplbJob(model=model, loads_path=str(loads), num_gpus=gpus, slots_per_gpu=slots, num_groups=groups,
                   num_nodes=nodes, interval_s=interval_s)
     try:
@@ -713,6 +666,7 @@ def eplb(
 
 
 @app.command("planner")
+@option_groups
 def planner_cmd(
     ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms.")] = 500.0,
     itl_ms: Annotated[float, typer.Option(help="ITL target, ms.")] = 50.0,
@@ -735,11 +689,7 @@ def planner_cmd(
     workload_kind: Annotated[str, typer.Option(help="kubernetes: Deployment or StatefulSet.")] = "Deployment",
     clickhouse_url: Annotated[Optional[str], typer.Option(
         help=env_help("clickhouse_url", "ClickHouse server; unset: embedded chDB under --data-dir."))] = None,
-    data_dir: DataDirOpt = None,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
     verbose: bool = False,
 ) -> None:
     """Run the SLA planner on its own (metrics sink, planner loop, optional connector)
@@ -755,8 +705,7 @@ def planner_cmd(
 
     _logging(verbose)
     shadow = _shadow(planner_mode)
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, clickhouse_url=clickhouse_url, data_dir=data_dir)
+    settings = join.settings(clickhouse_url=clickhouse_url)
     try:
         config = PlannerConfig(ttft_ms=ttft_ms, itl_ms=itl_ms, adjustment_interval_s=adjustment_interval_s,
                                mode=PlannerMode(mode), predictor=predictor, max_gpus=max_gpus,
@@ -886,27 +835,24 @@ def profile_cmd(
 
 
 @app.command()
+@option_groups
 def produce(
     text: Annotated[str, typer.Argument(help="User message.")],
     model: str = "SmolLM2-135M-Instruct",
     max_tokens: int = 64,
     temperature: float = 0.0,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Send one chat request straight to the requests topic and stream the reply (no HTTP)."""
     from kvflow.streams.produce import produce_chat
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     code = asyncio.run(produce_chat(settings, text, model=model, max_tokens=max_tokens, temperature=temperature))
     raise typer.Exit(code)
 
 
 @app.command("replay-images")
+@option_groups
 def replay_images(
     request_ids: Annotated[Optional[list[str]], typer.Argument(
         help="Image request ids (an answer's X-Request-Id, `img-...`); none: every recorded request.")] = None,
@@ -915,11 +861,7 @@ def replay_images(
         help="Image model spec to render with; unset: each record's model (a local diffusers directory must be "
              "given by path).")] = None,
     device: str = "cpu",
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
-    namespace: NamespaceOpt = None,
+    join: JoinOptions = JoinOptions(),
 ) -> None:
     """Re-run the image stage alone from the conditioning records on queue.diffusion and write
     <request_id>-<i>.png files; prints one JSON line per request (files, seed, size). Exits 1 when
@@ -927,8 +869,7 @@ def replay_images(
     from kvflow.replay.images import recorded_conditioning, replay_diffusion, write_pngs
     from kvflow.streams.catalog import Catalog
 
-    settings = join_settings(port=port, state_file=state_file, bootstrap_servers=bootstrap_servers,
-                             namespace=namespace, data_dir=data_dir)
+    settings = join.settings()
     catalog = Catalog(settings.namespace)
     records = asyncio.run(recorded_conditioning(settings, catalog, request_ids or None))
     if not records:

@@ -11,11 +11,15 @@ for the commands that join one.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, Optional, TypeVar, get_type_hints
 
 import typer
 from pydantic import ValidationError
@@ -28,6 +32,7 @@ __all__ = [
     "DataDirOpt",
     "DisaggMaxPrefillQueueOpt",
     "DisaggThresholdOpt",
+    "JoinOptions",
     "JoinPortOpt",
     "KvDiskGbOpt",
     "KvHostGbOpt",
@@ -38,6 +43,7 @@ __all__ = [
     "ShedPrefillTokenThresholdOpt",
     "ShedColdStartHoldOpt",
     "ShedQueueCapacityOpt",
+    "ShedOptions",
     "ShedQueueOrderOpt",
     "StateFileOpt",
     "check_policy",
@@ -45,6 +51,7 @@ __all__ = [
     "deprecated_alias",
     "env_help",
     "join_settings",
+    "option_groups",
     "parse_time_ms",
     "resolve_settings",
 ]
@@ -124,6 +131,86 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     "--compile/--eager", help="vllm: run the compiled model (torch.compile; CUDA graphs on GPU) or eager; "
                               "unset: eager on CPU (start-up ~30 s instead of ~80 s or more), compiled on GPU.",
     show_default=False)]
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinOptions:
+    """The options of a command that joins a running deployment: which one
+    (``--port``/``--state-file`` under ``--data-dir``, or ``--bootstrap-servers``
+    for a cluster itself) and its topics' ``--namespace``. A command takes them
+    as one ``join: JoinOptions = JoinOptions()`` parameter (see :func:`option_groups`)."""
+
+    port: JoinPortOpt = None
+    state_file: StateFileOpt = None
+    data_dir: DataDirOpt = None
+    bootstrap_servers: BootstrapOpt = None
+    namespace: NamespaceOpt = None
+
+    def settings(self, **flags: Any) -> Settings:
+        """:func:`join_settings` with these options and further Settings ``flags``.
+
+        Raises:
+            typer.BadParameter: as :func:`join_settings`.
+        """
+        return join_settings(**dataclasses.asdict(self), **flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShedOptions:
+    """The router's load-shedding options (``--shed-*``; Settings fields of the
+    same names), taken as one parameter (see :func:`option_groups`)."""
+
+    shed_mode: ShedModeOpt = None
+    shed_queue_capacity: ShedQueueCapacityOpt = None
+    shed_queue_order: ShedQueueOrderOpt = None
+    shed_kv_threshold: ShedKvThresholdOpt = None
+    shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None
+    shed_cold_start_hold_s: ShedColdStartHoldOpt = None
+
+    def given(self) -> dict[str, Any]:
+        """The options given on the command line (not None), by Settings field name."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def option_groups(command: Callable[..., T]) -> Callable[..., T]:
+    """``command`` as typer should see it: each parameter annotated with an
+    option-group dataclass (:class:`JoinOptions`, :class:`ShedOptions`) is
+    replaced, in its place, by that dataclass's fields as options; the
+    command is called with the group rebuilt from them. Apply it below
+    ``@app.command()``.
+
+    Typer has no option groups of its own; this keeps each group declared once.
+
+    Raises:
+        TypeError: a group's field has the name of another parameter of ``command``.
+    """
+    signature = inspect.signature(command, eval_str=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}
+    for param in signature.parameters.values():
+        group = param.annotation
+        if not (isinstance(group, type) and dataclasses.is_dataclass(group)):
+            params.append(param)
+            continue
+        hints = get_type_hints(group, include_extras=True)
+        fields = dataclasses.fields(group)
+        groups[param.name] = (group, [f.name for f in fields])
+        params += [inspect.Parameter(f.name, param.kind, default=f.default, annotation=hints[f.name])
+                   for f in fields]
+    names = [p.name for p in params]
+    clashes = {n for n in names if names.count(n) > 1}
+    if clashes:
+        raise TypeError(f"{command.__name__}: option group fields clash with parameters {sorted(clashes)}")
+
+    @functools.wraps(command)
+    def with_groups(**kwargs: Any) -> T:
+        for name, (group, fields) in groups.items():
+            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields})
+        return command(**kwargs)
+
+    with_groups.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    with_groups.__annotations__ = {p.name: p.annotation for p in params}
+    return with_groups
 
 
 def vllm_worker_args(kv_cache_gb: float | None, dtype: str, compiled: bool | None) -> list[str]:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install (if needed) and run the test suite. Extra args go to pytest.
 # --vllm (first): also install vLLM (scripts/install.sh --vllm), so the vLLM tests run.
+# KVFLOW_TEST_WORKERS: pytest-xdist processes (default 2; each test file runs in one of
+# them, with its own embedded broker; 0 runs everything in this process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INSTALL_ARGS=()
@@ -18,4 +20,7 @@ if [ "${KVFLOW_TEST_AIPERF:-0}" = "1" ] && [ -z "${KVFLOW_AIPERF:-}" ]; then
   if [ -x .venv-aiperf/bin/aiperf ]; then export KVFLOW_AIPERF="$PWD/.venv-aiperf/bin/aiperf"; fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m pytest -q -ra "$@"
+WORKERS="${KVFLOW_TEST_WORKERS:-2}"
+XDIST=()
+if [ "$WORKERS" != "0" ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+exec .venv/bin/python -m pytest -q -ra "${XDIST[@]}" "$@"

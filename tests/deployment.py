@@ -129,7 +129,7 @@ async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str,
             engine = MockerEngine(mocker, worker_id=f"w{i}", model_name=model)
             worker = Worker(settings, WorkerConfig(worker_id=f"w{i}", slot=i, model=model), engine, catalog)
             started.append((worker, asyncio.create_task(worker.run())))
-        await waiter(lambda: len(router.table.workers) == workers)
+        await waiter(lambda: len(router.table.workers) == workers, timeout_s=120)  # a loaded machine starts slowly
         await client.start()
         yield router, [w for w, _ in started], client
     finally:

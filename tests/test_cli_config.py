@@ -367,3 +367,26 @@ async def test_two_deployments_side_by_side(tmp_path):
     assert [p.returncode for p in procs.values()] == [0, 0], [(tmp_path / f"up-{n}.log").read_text()[-2000:]
                                                                for n in ports]
     assert list((data_dir / "deployments").glob("*.json")) == []  # each removed its own state file
+
+
+async def test_up_without_workers_says_it_serves_no_model(tmp_path):
+    """`kvflow up --workers 0` starts broker, router and bridge but no worker, and its ready line says so."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    env.update(KVFLOW_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_kvflow("up", "--engine", "mocker", "--workers", "0", "--port", str(free_port())),
+                                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 240
+            while "(Ctrl-C to stop)" not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()[-2000:]
+                assert loop.time() < deadline, log_path.read_text()[-2000:]
+                await asyncio.sleep(0.2)
+        finally:
+            await asyncio.to_thread(_stop, proc)
+    out = log_path.read_text()
+    assert "starting no worker" in out and "serving no model: no worker was started" in out, out
+    assert "SmolLM2" not in out, out

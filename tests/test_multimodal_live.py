@@ -85,7 +85,7 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
 
     async with serve_app(_media_app()) as media, \
             in_process_cluster(settings, catalog, waiter, model=MODEL, mocker=mocker, policy="kv") as (router, _, client):
-        encoding = asyncio.create_task(encoder.run())
+        encoding = asyncio.create_task(encoder.slot.run())
         try:
             await waiter(lambda: "enc0" in router.table.workers, timeout_s=60)
             async with serve_bridge(settings, catalog, BRIDGE_SLOT) as (url, bridge), \
@@ -140,7 +140,7 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
                 assert (await ask("a.png"))["worker_id"] == "w1"  # the encode worker goes on
                 assert sample("kvflow_encode_cache_hits_total") == 2
         finally:
-            encoder.stop()
+            encoder.slot.stop()
             await encoding
 
 

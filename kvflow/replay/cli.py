@@ -51,26 +51,17 @@ from typing import Annotated, Optional
 import typer
 
 from kvflow.cli_options import (
-    BootstrapOpt,
-    DataDirOpt,
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
-    JoinPortOpt,
+    JoinOptions,
     KvDiskGbOpt,
     KvHostGbOpt,
-    NamespaceOpt,
     PolicyOpt,
-    ShedKvThresholdOpt,
-    ShedModeOpt,
-    ShedPrefillTokenThresholdOpt,
-    ShedColdStartHoldOpt,
-    ShedQueueCapacityOpt,
-    ShedQueueOrderOpt,
-    StateFileOpt,
+    ShedOptions,
     check_policy,
     deprecated_alias,
     env_help,
-    join_settings,
+    option_groups,
     parse_time_ms,
     resolve_settings,
 )
@@ -80,6 +71,7 @@ __all__ = ["replay"]
 _Hidden = Annotated[Optional[str], typer.Option(hidden=True)]
 
 
+@option_groups
 def replay(
     targets: Annotated[Optional[list[str]], typer.Argument(
         help="TRACE file, or `compare` followed by JSON reports (none with --from-topics).")] = None,
@@ -117,12 +109,7 @@ def replay(
     kv_temperature: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_temperature", "offline kv/approx routing: 0 = cheapest worker, > 0 = softmax "
                                                "sampling"))] = None,
-    shed_mode: ShedModeOpt = None,
-    shed_queue_capacity: ShedQueueCapacityOpt = None,
-    shed_queue_order: ShedQueueOrderOpt = None,
-    shed_kv_threshold: ShedKvThresholdOpt = None,
-    shed_prefill_token_threshold: ShedPrefillTokenThresholdOpt = None,
-    shed_cold_start_hold_s: ShedColdStartHoldOpt = None,
+    shed: ShedOptions = ShedOptions(),
     pool_workers: Annotated[Optional[str], typer.Option(
         help="offline: simulated aggregated workers per worker pool, NAME=N[,NAME=N...] (beside --workers, "
              "which join the default pool); the report gives each pool's figures")] = None,
@@ -179,13 +166,9 @@ def replay(
         help="planner: aggregated (prefill and decode profiled together) | phases (apart)")] = "aggregated",
     speedup_ratio: Annotated[float, typer.Option(help="offline: mocker engine speed; step times are divided by this")]
     = 1.0,
-    port: JoinPortOpt = None,
-    state_file: StateFileOpt = None,
-    data_dir: DataDirOpt = None,
-    bootstrap_servers: BootstrapOpt = None,
+    join: JoinOptions = JoinOptions(),
     url: Annotated[Optional[str], typer.Option(help="online: an OpenAI-compatible base URL instead of Kafka")] = None,
     model: Annotated[str, typer.Option(help="online: model name to request")] = "SmolLM2-135M-Instruct",
-    namespace: NamespaceOpt = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     from_topics: Annotated[bool, typer.Option(
         help="offline: replay a running deployment's own log (its topics) instead of a trace file")] = False,
@@ -204,8 +187,7 @@ def replay(
     if from_topics:
         if targets or mode != "offline":
             raise typer.BadParameter("--from-topics replays offline and takes no trace file")
-        settings = join_settings(port=port, state_file=state_file, data_dir=data_dir,
-                                 bootstrap_servers=bootstrap_servers, namespace=namespace)
+        settings = join.settings()
         recorded, trace_file, measured_hop_ms = _from_topics(settings, parse_time_ms(since), parse_time_ms(until), save_trace,
                                             sla_ttft_ms, sla_itl_ms, progress)
         if recorded_json is not None:
@@ -251,10 +233,7 @@ def replay(
                                      ("kv_disk_weight", kv_disk_weight), ("kv_queue_weight", kv_queue_weight),
                                      ("kv_decode_weight", kv_decode_weight), ("kv_temperature", kv_temperature))
                   if v is not None}
-    shedding = {k: v for k, v in (("shed_mode", shed_mode), ("shed_queue_capacity", shed_queue_capacity),
-                                  ("shed_queue_order", shed_queue_order), ("shed_kv_threshold", shed_kv_threshold),
-                                  ("shed_prefill_token_threshold", shed_prefill_token_threshold),
-                                  ("shed_cold_start_hold_s", shed_cold_start_hold_s)) if v is not None}
+    shedding = shed.given()
     if mode == "offline":
         from kvflow.router.disagg import DisaggConfig
         from kvflow.router.kv_policy import KvPolicyConfig
@@ -322,8 +301,7 @@ def replay(
             raise typer.BadParameter("--policy configures the offline simulator's router; online, the deployment's "
                                      "router routes (`kvflow up --policy ...`)")
 
-        settings = None if url else join_settings(port=port, state_file=state_file, data_dir=data_dir,
-                                                  bootstrap_servers=bootstrap_servers, namespace=namespace)
+        settings = None if url else join.settings()
         report = run_online(trace, settings, url=url, model=model, speedup=speedup, rate=rate, seed=seed, **common)
     else:
         raise typer.BadParameter("--mode must be offline or online")

@@ -18,30 +18,24 @@ was routed before it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import socket
 from dataclasses import dataclass
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord
 
 from kvflow.schemas import (
     EmbeddingRequest,
     EmbeddingResult,
     ErrorInfo,
-    WorkerHeartbeat,
     WorkerRole,
-    WorkerStatus,
     deadline_exceeded,
     encode,
     now_ms,
 )
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.fetch_wait import produced
-from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers.encoder import Encoder, EncoderError
+from kvflow.workers.queue_slot import QueueSlot
 
 __all__ = ["EmbeddingWorkerConfig", "EmbeddingWorker", "ENGINE_NAME"]
 
@@ -65,85 +59,29 @@ class EmbeddingWorkerConfig:
     max_records: int = 16
 
 
+@dataclass(eq=False)
 class EmbeddingWorker:
-    """Adapts an :class:`Encoder` to Kafka. ``await run()`` until drained or stopped."""
+    """Adapts an :class:`Encoder` to Kafka: ``slot`` (a
+    :class:`~kvflow.workers.queue_slot.QueueSlot`) feeds it requests and
+    heartbeats for it; ``await worker.slot.run()`` until drained or stopped.
+    """
 
-    def __init__(self, settings: Settings, config: EmbeddingWorkerConfig, encoder: Encoder,
-                 catalog: Catalog | None = None) -> None:
-        self.settings = settings
-        self.config = config
-        self.encoder = encoder
-        self.catalog = catalog or Catalog(settings.namespace)
-        queue = self.catalog.queue(WorkerRole.embedding)
-        if config.slot >= queue.partitions:
-            raise ValueError(f"slot {config.slot} >= {queue.partitions} queue partitions")
-        self.queue_tp = TopicPartition(queue.name, config.slot)
-        self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=f"{settings.namespace}.worker.embedding.{config.slot}",
-                                      enable_auto_commit=False)
-        self.dlq = DeadLetterWriter(self.producer, self.catalog, consumer=config.worker_id)
-        self.status = WorkerStatus.serving
-        self.started_ms = now_ms()
-        self.busy = 0  # requests taken from the queue and not answered
-        self.served = 0
-        self._stop = asyncio.Event()
-        self._beat: asyncio.Task | None = None
+    settings: Settings
+    config: EmbeddingWorkerConfig
+    encoder: Encoder
+    catalog: Catalog | None = None
 
-    async def run(self) -> None:
-        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
-        await self.producer.start()
-        await self.consumer.start()
-        try:
-            self.consumer.assign([self.queue_tp])
-            if await self.consumer.committed(self.queue_tp) is None:
-                await self.consumer.seek_to_end(self.queue_tp)
-            await self.consumer.position(self.queue_tp)
-            adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
-            await self._announce()
-            self._beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-            log.info("embedding worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model,
-                     *self.queue_tp)
-            await self._consume_loop()
-        finally:
-            if self._beat is not None:
-                self._beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._beat
-            self.status = WorkerStatus.stopped
-            with contextlib.suppress(Exception):
-                await self._announce()
-            await self.consumer.stop()
-            await self.producer.stop()
-            log.info("embedding worker %s stopped after %d requests", self.config.worker_id, self.served)
+    def __post_init__(self) -> None:
+        # An encoder advertises its tokenizer (producers could count tokens) and longest input.
+        self.slot = QueueSlot(settings=self.settings, catalog=self.catalog, config=self.config,
+                              role=WorkerRole.embedding, engine=ENGINE_NAME, schema=EmbeddingRequest,
+                              handle=self._handle, heartbeat_fields=lambda: {
+                                  "tokenizer": self.config.tokenizer, "context_length": self.encoder.max_tokens})
 
-    async def drain(self) -> None:
-        """Stop taking work without losing any: heartbeat ``draining`` (the
-        bridges stop sending here), keep serving for two heartbeat periods
-        (requests sent before they saw it), then stop."""
-        if self.status is not WorkerStatus.serving:
-            return
-        self.status = WorkerStatus.draining
-        await self._announce()
-        await asyncio.sleep(2 * self.settings.heartbeat_interval_ms / 1000)
-        self._stop.set()
-
-    def stop(self) -> None:
-        """Stop after the request being encoded."""
-        self._stop.set()
-
-    async def _consume_loop(self) -> None:
-        while not self._stop.is_set():
-            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=1000,
-                                                  max_records=self.config.max_records)
-            records = batches.get(self.queue_tp, [])
-            requests = [r for r in [await self.dlq.decode(EmbeddingRequest, m) for m in records] if r is not None]
-            self.busy = len(requests)
-            for request in requests:
-                await self._answer(request, await self._serve(request))
-                self.busy -= 1
-                self.served += 1
-            if records:
-                await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
+    async def _handle(self, request: EmbeddingRequest, _message: ConsumerRecord) -> None:
+        result = await self._serve(request)
+        await self.slot.producer.send(request.reply_to.topic, encode(result), key=request.request_id.encode(),
+                                      partition=request.reply_to.partition)
 
     async def _serve(self, request: EmbeddingRequest) -> EmbeddingResult:
         """Encode one request; failures become an error result, never an exception."""
@@ -165,35 +103,3 @@ class EmbeddingWorker:
             log.exception("embeddings request %s failed", request.request_id)
             return EmbeddingResult(**base, error=ErrorInfo(message=f"internal error: {exc!r}", code="worker_error"))
         return EmbeddingResult(**base, embeddings=vectors, prompt_tokens=tokens)
-
-    async def _answer(self, request: EmbeddingRequest, result: EmbeddingResult) -> None:
-        await self.producer.send(request.reply_to.topic, encode(result), key=request.request_id.encode(),
-                                 partition=request.reply_to.partition)
-
-    def _heartbeat_record(self) -> WorkerHeartbeat:
-        # An encoder holds no KV: one-token "blocks", none of them.
-        return WorkerHeartbeat(
-            worker_id=self.config.worker_id, role=WorkerRole.embedding, status=self.status, model=self.config.model,
-            engine=ENGINE_NAME, tokenizer=self.config.tokenizer, block_size=1,
-            context_length=self.encoder.max_tokens, kv_total_blocks=0,
-            queue_topic=self.queue_tp.topic, queue_partition=self.queue_tp.partition,
-            active_requests=min(self.busy, 1), waiting_requests=max(0, self.busy - 1), ts_ms=now_ms(),
-            ttl_ms=self.settings.worker_ttl_ms, started_ms=self.started_ms,
-            host=f"{socket.gethostname()}:{os.getpid()}")
-
-    async def _heartbeat(self) -> None:
-        await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
-                                          key=self.config.worker_id.encode())
-
-    async def _announce(self) -> None:
-        """A heartbeat for a start or status change: ring the readers parked in long polls."""
-        await self._heartbeat()
-        produced(self.catalog.workers.name)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_ms / 1000)
-            try:
-                await self._heartbeat()
-            except Exception:  # noqa: BLE001 - keep beating through transient broker errors
-                log.exception("heartbeat failed")

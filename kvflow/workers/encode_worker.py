@@ -29,14 +29,11 @@ are served on ``settings.metrics_port`` when it is set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import socket
 from collections import Counter
 from dataclasses import dataclass
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord
 
 from kvflow.schemas import (
     ErrorInfo,
@@ -44,9 +41,7 @@ from kvflow.schemas import (
     FinishReason,
     InferenceRequest,
     MediaItem,
-    WorkerHeartbeat,
     WorkerRole,
-    WorkerStatus,
     deadline_exceeded,
     encode,
     now_ms,
@@ -55,9 +50,9 @@ from kvflow.schemas.prompt_embeds import PromptEmbeds
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import produced
-from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.workers.media_cache import EmbeddingCache
 from kvflow.workers.media_encoder import MediaDecodeError, MediaEncoder
+from kvflow.workers.queue_slot import QueueSlot
 
 __all__ = ["ENGINE_NAME", "EncodeWorkerConfig", "EncodeWorker"]
 
@@ -86,100 +81,46 @@ class EncodeWorkerConfig:
     max_records: int = 16
 
 
+@dataclass(eq=False)
 class EncodeWorker:
-    """Adapts a :class:`MediaEncoder` to Kafka. ``await run()`` until drained or stopped.
+    """Adapts a :class:`MediaEncoder` to Kafka: ``slot`` (a
+    :class:`~kvflow.workers.queue_slot.QueueSlot`) feeds it requests and
+    heartbeats for it; ``await worker.slot.run()`` until drained or stopped.
+    Its Prometheus endpoint opens and closes with the slot.
 
     ``cache`` holds up to ``settings.encode_cache_mb`` MiB of embeddings;
     ``outcomes`` counts requests ``forwarded`` and ``refused``.
     """
 
-    def __init__(self, settings: Settings, config: EncodeWorkerConfig, encoder: MediaEncoder,
-                 catalog: Catalog | None = None) -> None:
-        self.settings = settings
-        self.config = config
-        self.encoder = encoder
-        self.catalog = catalog or Catalog(settings.namespace)
-        queue = self.catalog.queue(WorkerRole.encode)
-        if config.slot >= queue.partitions:
-            raise ValueError(f"slot {config.slot} >= {queue.partitions} queue partitions")
-        self.queue_tp = TopicPartition(queue.name, config.slot)
-        self.cache = EmbeddingCache(int(settings.encode_cache_mb * 2**20))
+    settings: Settings
+    config: EncodeWorkerConfig
+    encoder: MediaEncoder
+    catalog: Catalog | None = None
+
+    def __post_init__(self) -> None:
+        self.cache = EmbeddingCache(int(self.settings.encode_cache_mb * 2**20))
         self.outcomes: Counter[str] = Counter()
-        self.producer = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=f"{settings.namespace}.worker.encode.{config.slot}",
-                                      enable_auto_commit=False)
-        self.dlq = DeadLetterWriter(self.producer, self.catalog, consumer=config.worker_id)
-        self.status = WorkerStatus.serving
-        self.started_ms = now_ms()
-        self.busy = 0  # requests taken from the queue and not passed on or answered
         self.metrics_server = None
-        self._stop = asyncio.Event()
-        self._beat: asyncio.Task | None = None
+        # Producers write media_tokens placeholder rows per item; an encode worker has no tokenizer of its own.
+        self.slot = QueueSlot(settings=self.settings, catalog=self.catalog, config=self.config,
+                              role=WorkerRole.encode, engine=ENGINE_NAME, schema=InferenceRequest, handle=self._serve,
+                              heartbeat_fields=lambda: {"tokenizer": "", "media_tokens": self.encoder.media_tokens},
+                              on_start=self._open_metrics, on_stop=self._close_metrics)
 
-    async def run(self) -> None:
-        """Start, serve until :meth:`drain` or :meth:`stop`, then publish ``stopped``."""
-        await self.producer.start()
-        await self.consumer.start()
-        try:
-            self.consumer.assign([self.queue_tp])
-            if await self.consumer.committed(self.queue_tp) is None:
-                await self.consumer.seek_to_end(self.queue_tp)
-            await self.consumer.position(self.queue_tp)
-            adapt_fetch_wait(self.consumer, self.settings, self.queue_tp.topic.__eq__)
-            if self.settings.metrics_port is not None:
-                from kvflow.streams.metrics_server import serve_metrics
-                from kvflow.workers.prometheus import encode_registry
+    async def _open_metrics(self) -> None:
+        if self.settings.metrics_port is not None:
+            from kvflow.streams.metrics_server import serve_metrics
+            from kvflow.workers.prometheus import encode_registry
 
-                self.metrics_server = await serve_metrics([encode_registry(self)], self.settings.metrics_host,
-                                                          self.settings.metrics_port)
-            await self._announce()
-            self._beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-            log.info("encode worker %s serving %s on %s[%d]", self.config.worker_id, self.config.model,
-                     *self.queue_tp)
-            await self._consume_loop()
-        finally:
-            if self._beat is not None:
-                self._beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._beat
-            self.status = WorkerStatus.stopped
-            with contextlib.suppress(Exception):
-                await self._announce()
-            if self.metrics_server is not None:
-                await self.metrics_server.stop()
-            await self.consumer.stop()
-            await self.producer.stop()
-            log.info("encode worker %s stopped: %s", self.config.worker_id, dict(self.outcomes))
+            self.metrics_server = await serve_metrics([encode_registry(self)], self.settings.metrics_host,
+                                                      self.settings.metrics_port)
 
-    async def drain(self) -> None:
-        """Stop taking work without losing any: heartbeat ``draining`` (routers stop
-        sending here), keep serving for two heartbeat periods, then stop."""
-        if self.status is not WorkerStatus.serving:
-            return
-        self.status = WorkerStatus.draining
-        await self._announce()
-        await asyncio.sleep(2 * self.settings.heartbeat_interval_ms / 1000)
-        self._stop.set()
+    async def _close_metrics(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        log.info("encode worker %s: %s", self.config.worker_id, dict(self.outcomes))
 
-    def stop(self) -> None:
-        """Stop after the request being encoded."""
-        self._stop.set()
-
-    async def _consume_loop(self) -> None:
-        while not self._stop.is_set():
-            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=1000,
-                                                  max_records=self.config.max_records)
-            records = batches.get(self.queue_tp, [])
-            self.busy = len(records)
-            for msg in records:
-                request = await self.dlq.decode(InferenceRequest, msg)
-                if request is not None:
-                    await self._serve(request, msg.headers)
-                self.busy -= 1
-            if records:
-                await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
-
-    async def _serve(self, request: InferenceRequest, headers: list | tuple | None) -> None:
+    async def _serve(self, request: InferenceRequest, message: ConsumerRecord) -> None:
         """Encode ``request``'s media and pass it on; refusals are answered, never raised."""
         try:
             target = request.forward_to
@@ -201,8 +142,8 @@ class EncodeWorker:
             await self._answer(request, ErrorInfo(message=f"internal error: {exc!r}", code="worker_error"))
             return
         record = request.model_copy(update={"media": media, "forward_to": None})
-        await self.producer.send(target.topic, encode(record), key=request.request_id.encode(),
-                                 partition=target.partition, headers=list(headers or ()))
+        await self.slot.producer.send(target.topic, encode(record), key=request.request_id.encode(),
+                                      partition=target.partition, headers=list(message.headers or ()))
         produced(target.topic, target.partition)  # its worker may be parked in a long poll
         self.outcomes["forwarded"] += 1
 
@@ -231,32 +172,5 @@ class EncodeWorker:
         final = FinalResponse(request_id=request.request_id, finish_reason=FinishReason.error,
                               worker_id=self.config.worker_id, routing=request.routing, error=error,
                               attempt=request.attempt)
-        await self.producer.send(request.reply_to.topic, encode(final), key=request.request_id.encode(),
-                                 partition=request.reply_to.partition)
-
-    def _heartbeat_record(self) -> WorkerHeartbeat:
-        # An encoder holds no KV: one-token "blocks", none of them.
-        return WorkerHeartbeat(
-            worker_id=self.config.worker_id, role=WorkerRole.encode, status=self.status, model=self.config.model,
-            engine=ENGINE_NAME, tokenizer="", block_size=1, kv_total_blocks=0,
-            queue_topic=self.queue_tp.topic, queue_partition=self.queue_tp.partition,
-            active_requests=min(self.busy, 1), waiting_requests=max(0, self.busy - 1), ts_ms=now_ms(),
-            ttl_ms=self.settings.worker_ttl_ms, started_ms=self.started_ms,
-            host=f"{socket.gethostname()}:{os.getpid()}", media_tokens=self.encoder.media_tokens)
-
-    async def _heartbeat(self) -> None:
-        await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
-                                          key=self.config.worker_id.encode())
-
-    async def _announce(self) -> None:
-        """A heartbeat for a start or status change: ring the readers parked in long polls."""
-        await self._heartbeat()
-        produced(self.catalog.workers.name)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_ms / 1000)
-            try:
-                await self._heartbeat()
-            except Exception:  # noqa: BLE001 - keep beating through transient broker errors
-                log.exception("heartbeat failed")
+        await self.slot.producer.send(request.reply_to.topic, encode(final), key=request.request_id.encode(),
+                                      partition=request.reply_to.partition)

@@ -193,8 +193,8 @@ async def run_embedding_worker(settings: Settings, *, slot: int, model: str, wor
     encoder = await asyncio.to_thread(load_encoder, resolved.path, device)
     worker = EmbeddingWorker(settings, EmbeddingWorkerConfig(worker_id=worker_id, slot=slot, model=resolved.name,
                                                              tokenizer=str(resolved.path)), encoder)
-    _drain_on_signals(worker)
-    await worker.run()
+    _drain_on_signals(worker.slot)
+    await worker.slot.run()
 
 
 def encode_target(engine: str, model: str) -> tuple[str, int]:
@@ -239,8 +239,8 @@ async def run_encode_worker(settings: Settings, *, slot: int, engine: str, model
     name, hidden = await asyncio.to_thread(encode_target, engine, model)
     encoder = build_media_encoder(hidden, seed=MEDIA_ENCODER_SEED)
     worker = EncodeWorker(settings, EncodeWorkerConfig(worker_id=worker_id, slot=slot, model=name), encoder)
-    _drain_on_signals(worker)
-    await worker.run()
+    _drain_on_signals(worker.slot)
+    await worker.slot.run()
 
 
 def build_image_stage(role: WorkerRole, model: str, *, worker_id: str, diffusion_topic: TopicSpec,
@@ -290,8 +290,8 @@ async def run_image_stage_worker(settings: Settings, *, role: WorkerRole, slot: 
                                             device=device, tokenizer=tokenizer)
     config.slot = slot
     worker = StageWorker(settings, config, stage, catalog)
-    _drain_on_signals(worker)
-    await worker.run()
+    _drain_on_signals(worker.slot)
+    await worker.slot.run()
 
 
 def _drain_on_signals(worker: Any) -> None:

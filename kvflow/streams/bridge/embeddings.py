@@ -18,28 +18,17 @@ import base64
 import uuid
 
 import numpy as np
-from aiokafka.errors import KafkaError
 from fastapi import Request, Response
 
 from kvflow.schemas import EmbeddingRequest, EmbeddingResult, now_ms
 from kvflow.schemas.openai import EmbeddingObject, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage
 from kvflow.streams.bridge.body import read_body
 from kvflow.streams.bridge.deadline import timeout_for
-from kvflow.streams.bridge.errors import (
-    BridgeError,
-    error_response,
-    from_error_info,
-    invalid_request,
-    model_not_found,
-    no_live_workers,
-    overloaded,
-    request_timeout,
-)
-from kvflow.streams.bridge.metrics import RequestObserver
+from kvflow.streams.bridge.direct import least_loaded, send_direct, serve_direct
+from kvflow.streams.bridge.errors import from_error_info, invalid_request, model_not_found, no_live_workers
 from kvflow.streams.bridge.openai_format import parse_body
-from kvflow.streams.bridge.state import BridgeState, admit, release
+from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState
-from kvflow.streams.client import RequestTimeout
 from kvflow.streams.deadlines import deadline_ms
 from kvflow.streams.workers import WorkerView
 
@@ -77,27 +66,7 @@ async def _pick_worker(state: BridgeState, model: str) -> WorkerView:
         if registry.model_state(model, embedding=True) is ModelState.unknown:
             raise model_not_found(model)
         raise no_live_workers(model, state.retry_after_s)
-    return min(workers, key=lambda w: (w.active_requests + w.waiting_requests
-                                       + state.embeddings_sent.get(w.worker_id, 0), w.worker_id))
-
-
-async def _embed(state: BridgeState, worker: WorkerView, request: EmbeddingRequest, timeout_s: float) -> EmbeddingResult:
-    embed = getattr(state.source, "embed", None)
-    if embed is None:
-        raise BridgeError(501, "This bridge cannot send embeddings requests.", "server_error", code="unsupported")
-    sent = state.embeddings_sent
-    sent[worker.worker_id] = sent.get(worker.worker_id, 0) + 1
-    try:
-        return await embed(request, worker.queue_partition)
-    except RequestTimeout:
-        raise request_timeout(request.request_id, timeout_s) from None
-    except KafkaError as exc:
-        raise BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
-                          code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
-    finally:
-        sent[worker.worker_id] -= 1
-        if sent[worker.worker_id] <= 0:
-            del sent[worker.worker_id]
+    return least_loaded(workers, state.embeddings_sent)
 
 
 async def _answer(state: BridgeState, http_request: Request) -> Response:
@@ -110,7 +79,8 @@ async def _answer(state: BridgeState, http_request: Request) -> Response:
     request = EmbeddingRequest(request_id=f"emb-{uuid.uuid4().hex}", model=body.model, texts=texts,
                                token_ids=token_ids, dimensions=body.dimensions, reply_to=state.source.reply_to,
                                created_ms=created, deadline_ms=deadline_ms(created, timeout_s))
-    result = await _embed(state, worker, request, timeout_s)
+    result: EmbeddingResult = await send_direct(state, "embed", request, worker.queue_partition, through=[worker],
+                                                sent=state.embeddings_sent, timeout_s=timeout_s, what="embeddings")
     if result.error is not None:
         raise from_error_info(result.error)
     data = [EmbeddingObject(index=i, embedding=encode_vector(v, body.encoding_format))
@@ -123,22 +93,10 @@ async def _answer(state: BridgeState, http_request: Request) -> Response:
 
 
 async def serve_embeddings(state: BridgeState, http_request: Request) -> Response:
-    """Answer one embeddings request: the OpenAI ``list`` object or an OpenAI error.
+    """Answer one embeddings request: the OpenAI ``list`` object or an OpenAI
+    error (:func:`~kvflow.streams.bridge.direct.serve_direct`).
 
     Never raises for client mistakes; unexpected exceptions propagate to the
     app's last-resort handler (500).
     """
-    if not admit(state):
-        RequestObserver(state.metrics, ENDPOINT).finish(503, "overloaded")
-        return error_response(overloaded(1.0))
-    observer = RequestObserver(state.metrics, ENDPOINT, on_finish=lambda: release(state))
-    try:
-        response = await _answer(state, http_request)
-    except BridgeError as err:
-        observer.finish(err.status, err.code)
-        return error_response(err)
-    except BaseException:
-        observer.finish(500)
-        raise
-    observer.finish(200)
-    return response
+    return await serve_direct(state, http_request, ENDPOINT, _answer)

@@ -32,6 +32,7 @@ __all__ = [
     "payload_too_large",
     "no_live_workers",
     "request_timeout",
+    "broker_unavailable",
     "from_error_info",
     "validation_error",
     "error_response",
@@ -112,6 +113,13 @@ def request_timeout(request_id: str, timeout_s: float) -> BridgeError:
     """504: no response record for ``request_id`` within ``timeout_s`` seconds."""
     return BridgeError(504, f"No response for request {request_id} within {timeout_s:g} s.",
                        "timeout_error", code="request_timeout")
+
+
+def broker_unavailable(exc: Exception, retry_after_s: float) -> BridgeError:
+    """503 with ``Retry-After`` (whole seconds, truncated): sending to or reading
+    from Kafka failed with ``exc``."""
+    return BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
+                       code="broker_unavailable", headers={"Retry-After": str(int(retry_after_s))})
 
 
 def from_error_info(info: ErrorInfo) -> BridgeError:

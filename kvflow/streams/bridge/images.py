@@ -21,28 +21,17 @@ import math
 import secrets
 import uuid
 
-from aiokafka.errors import KafkaError
 from fastapi import Request, Response
 
 from kvflow.schemas import ImageRequest, ImageResult, WorkerRole, now_ms
 from kvflow.schemas.openai_images import ImageData, ImagesKvflowInfo, ImagesRequest, ImagesResponse
 from kvflow.streams.bridge.body import read_body
 from kvflow.streams.bridge.deadline import timeout_for
-from kvflow.streams.bridge.errors import (
-    BridgeError,
-    error_response,
-    from_error_info,
-    invalid_request,
-    model_not_found,
-    no_live_workers,
-    overloaded,
-    request_timeout,
-)
-from kvflow.streams.bridge.metrics import RequestObserver
+from kvflow.streams.bridge.direct import least_loaded, send_direct, serve_direct
+from kvflow.streams.bridge.errors import BridgeError, from_error_info, invalid_request, model_not_found, no_live_workers
 from kvflow.streams.bridge.openai_format import parse_body
-from kvflow.streams.bridge.state import BridgeState, admit, release
+from kvflow.streams.bridge.state import BridgeState
 from kvflow.streams.bridge.worker_registry import ModelState
-from kvflow.streams.client import RequestTimeout
 from kvflow.streams.deadlines import deadline_ms
 from kvflow.streams.workers import WorkerView
 
@@ -88,13 +77,6 @@ async def _model(state: BridgeState, body: ImagesRequest) -> str:
                       code="no_live_workers", headers={"Retry-After": str(max(1, math.ceil(state.retry_after_s)))})
 
 
-def _least_loaded(state: BridgeState, workers: list[WorkerView]) -> WorkerView:
-    """The worker with the fewest requests waiting (heartbeat figures plus this
-    bridge's unanswered sends), lowest id on ties."""
-    return min(workers, key=lambda w: (w.active_requests + w.waiting_requests
-                                       + state.stage_sent.get(w.worker_id, 0), w.worker_id))
-
-
 async def _pick_workers(state: BridgeState, model: str) -> tuple[WorkerView, WorkerView]:
     """(text-stage worker, image-stage worker) of ``model``.
 
@@ -112,30 +94,8 @@ async def _pick_workers(state: BridgeState, model: str) -> tuple[WorkerView, Wor
         if registry.model_state(model, image=True) is ModelState.unknown:
             raise model_not_found(model)
         raise no_live_workers(model, state.retry_after_s)
-    return (_least_loaded(state, registry.stage_workers(model, WorkerRole.conditioning)),
-            _least_loaded(state, registry.stage_workers(model, WorkerRole.diffusion)))
-
-
-async def _generate(state: BridgeState, workers: tuple[WorkerView, WorkerView], request: ImageRequest,
-                    timeout_s: float) -> ImageResult:
-    generate = getattr(state.source, "generate_image", None)
-    if generate is None:
-        raise BridgeError(501, "This bridge cannot send image requests.", "server_error", code="unsupported")
-    sent = state.stage_sent
-    for w in workers:
-        sent[w.worker_id] = sent.get(w.worker_id, 0) + 1
-    try:
-        return await generate(request, workers[0].queue_partition)
-    except RequestTimeout:
-        raise request_timeout(request.request_id, timeout_s) from None
-    except KafkaError as exc:
-        raise BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
-                          code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
-    finally:
-        for w in workers:
-            sent[w.worker_id] -= 1
-            if sent[w.worker_id] <= 0:
-                del sent[w.worker_id]
+    return (least_loaded(registry.stage_workers(model, WorkerRole.conditioning), state.stage_sent),
+            least_loaded(registry.stage_workers(model, WorkerRole.diffusion), state.stage_sent))
 
 
 async def _answer(state: BridgeState, http_request: Request) -> Response:
@@ -153,7 +113,10 @@ async def _answer(state: BridgeState, http_request: Request) -> Response:
         num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
         diffusion_partition=workers[1].queue_partition, reply_to=state.source.reply_to, created_ms=created,
         deadline_ms=deadline_ms(created, timeout_s))
-    result = await _generate(state, workers, request, timeout_s)
+    # The request counts on both stages' workers until its image comes back.
+    result: ImageResult = await send_direct(state, "generate_image", request, workers[0].queue_partition,
+                                            through=workers, sent=state.stage_sent, timeout_s=timeout_s,
+                                            what="image")
     if result.error is not None:
         raise from_error_info(result.error)
     answer = ImagesResponse(
@@ -167,22 +130,10 @@ async def _answer(state: BridgeState, http_request: Request) -> Response:
 
 
 async def serve_images(state: BridgeState, http_request: Request) -> Response:
-    """Answer one image generation request: the OpenAI images object or an OpenAI error.
+    """Answer one image generation request: the OpenAI images object or an
+    OpenAI error (:func:`~kvflow.streams.bridge.direct.serve_direct`).
 
     Never raises for client mistakes; unexpected exceptions propagate to the
     app's last-resort handler (500).
     """
-    if not admit(state):
-        RequestObserver(state.metrics, ENDPOINT).finish(503, "overloaded")
-        return error_response(overloaded(1.0))
-    observer = RequestObserver(state.metrics, ENDPOINT, on_finish=lambda: release(state))
-    try:
-        response = await _answer(state, http_request)
-    except BridgeError as err:
-        observer.finish(err.status, err.code)
-        return error_response(err)
-    except BaseException:
-        observer.finish(500)
-        raise
-    observer.finish(200)
-    return response
+    return await serve_direct(state, http_request, ENDPOINT, _answer)

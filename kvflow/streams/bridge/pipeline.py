@@ -63,6 +63,7 @@ from kvflow.streams.bridge.deadline import timeout_for
 from kvflow.streams.bridge.disconnect import ClientDisconnected, cancel_upstream, unless_disconnected
 from kvflow.streams.bridge.errors import (
     BridgeError,
+    broker_unavailable,
     error_response,
     from_error_info,
     invalid_request,
@@ -302,8 +303,7 @@ async def next_record(events: Events, state: BridgeState, request_id: str) -> To
         raise payload_too_large(f"Request {request_id} is too large for one Kafka record; send a shorter "
                                 "prompt (or lower KVFLOW_MAX_PROMPT_TOKENS).") from None
     except KafkaError as exc:
-        raise BridgeError(503, f"The Kafka broker is unavailable: {exc}", "service_unavailable",
-                          code="broker_unavailable", headers={"Retry-After": str(int(state.retry_after_s))}) from None
+        raise broker_unavailable(exc, state.retry_after_s) from None
 
 
 def _outcome(observer: RequestObserver, stream_error: BridgeError | None) -> tuple[int, str | None]:
