@@ -387,7 +387,13 @@ class PlannerState:
     ``targets``: last target per pool (absent before the first tick);
     ``down_runs``: needs below target seen on consecutive ticks, per pool;
     ``prefill_predictors``: the prefill pool's own load predictors, once a
-    tick gave :attr:`TickInput.prefill_traffic` (None before).
+    tick gave :attr:`TickInput.prefill_traffic` (None before);
+    ``demand_scale_up_ms``: when the fast path last scaled a pool up because
+    its arrivals needed more replicas than ran (None: never). An interval
+    that saw one leaves the correction factors as they were: its latencies
+    measured the missing capacity (requests queued before the added
+    replicas served), not the profile's error, as with replicas still
+    starting (``_STARTING_SHARE``).
     """
 
     config: PlannerConfig
@@ -400,6 +406,7 @@ class PlannerState:
     kv_hit_rate: float = 0.0
     num_ticks: int = 0
     prefill_predictors: LoadPredictors | None = None
+    demand_scale_up_ms: int | None = None
 
 
 def initial_state(config: PlannerConfig, perf: PerfSource) -> PlannerState:
@@ -644,7 +651,11 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         p_pred = _predict(p_preds, hit_rate, steps)
     else:
         hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
-    p_corr, d_corr = _corrections(state, tick, hit_rate)
+    interval_start_ms = tick.now_ms - 1000.0 * tick.traffic.duration_s
+    if state.demand_scale_up_ms is not None and state.demand_scale_up_ms >= interval_start_ms:
+        p_corr, d_corr = state.prefill_correction, state.decode_correction  # see PlannerState
+    else:
+        p_corr, d_corr = _corrections(state, tick, hit_rate)
     pred = _predict(preds, hit_rate, steps)
     needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr, p_pred))
     uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0, p_pred))

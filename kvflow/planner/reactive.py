@@ -21,7 +21,11 @@ ever scales **up**:
    prefill throughput; the window's p99 TTFT or p99 ITL is above target
    (only from windows of at least :data:`MIN_TAIL_REQUESTS` finished
    requests: over fewer, the p99 is nearly the maximum, and one slow
-   request would add a replica).
+   request would add a replica); or, in a window of any size, more of its
+   finished requests exceed a target than a pool meeting its p99 would
+   produce (:func:`tail_excess`, when the counts are given): at a few
+   requests/s a 5 s window holds fewer than 50, and the first minute of a
+   pool sized too small went unseen.
 3. **Decide.** Scale up to the demand need when it exceeds the current
    target and there is pressure, or when it reaches ``reactive_jump`` times
    the target (a step in arrivals shows before any queue builds).
@@ -58,7 +62,8 @@ from kvflow.planner.core import (
 from kvflow.planner.core import pool_needs as _pool_needs
 from kvflow.schemas.workers import WorkerRole
 
-__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS", "STEP_Z", "step_rate_lower_bound"]
+__all__ = ["LiveSignals", "on_signals", "MIN_TAIL_REQUESTS", "STEP_Z", "step_rate_lower_bound", "binomial_tail",
+           "tail_excess", "TAIL_SHARE", "TAIL_ALPHA"]
 
 MIN_TAIL_REQUESTS = 50
 """Finished requests a window needs before its p99 TTFT/ITL count as pressure."""
@@ -89,6 +94,10 @@ class LiveSignals:
         last_scale_up_ms: when the fast path last scaled up (None: never),
             so a pressure-only step waits for its replica to start and serve.
         startup_s: measured start-up time (None: the configured one).
+        ttft_over_target / itl_over_target: of the requests finished in the
+            window, how many had a TTFT / per-request mean ITL above the
+            planner's target (None: not counted; the p99 rule applies, see
+            :func:`tail_excess`).
     """
 
     now_ms: int
@@ -108,6 +117,8 @@ class LiveSignals:
     ready_replicas: Mapping[WorkerRole, int] = field(default_factory=dict)
     last_scale_up_ms: int | None = None
     startup_s: float | None = None
+    ttft_over_target: int | None = None
+    itl_over_target: int | None = None
 
 
 _SERVING_ROLES = (WorkerRole.aggregated, WorkerRole.decode)  # pools a request cannot be served without
@@ -134,12 +145,55 @@ def step_rate_lower_bound(arrivals: int, window_s: float, z: float = STEP_Z) -> 
     return max(0.0, arrivals - z * math.sqrt(arrivals)) / window_s
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """``P(K >= k)`` for ``K ~ Binomial(n, p)`` (exact sum of the probability mass function).
+
+    Raises:
+        ValueError: ``n < 0`` or ``p`` outside [0, 1].
+    """
+    if n < 0 or not 0.0 <= p <= 1.0:
+        raise ValueError(f"need n >= 0 and 0 <= p <= 1, got n={n}, p={p}")
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    below = sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k))
+    return max(0.0, 1.0 - below)
+
+
+TAIL_SHARE = 0.01
+"""Share of requests a p99 target lets exceed it."""
+
+TAIL_ALPHA = 0.01
+"""Significance of :func:`tail_excess`: how often a pool that meets its p99 target still trips it per check."""
+
+
+def tail_excess(over: int, finished: int, share: float = TAIL_SHARE, alpha: float = TAIL_ALPHA) -> bool:
+    """Whether ``over`` of ``finished`` requests above target is more than a pool meeting a
+    p(1 - ``share``) target produces: a one-sided exact binomial test (reject ``miss rate <=
+    share`` when ``P(Binomial(finished, share) >= over) < alpha``).
+
+    A p99 over a few requests is nearly their maximum, so one slow request would
+    pass for pressure; counting requests over the target and testing the count
+    works at any window size: with ``share`` 0.01 and ``alpha`` 0.01, 2 of 10,
+    3 of 40, 5 of 100 or 8 of 250 finished requests over the target are pressure.
+    Source of the test: the one-sided exact binomial test of a proportion
+    (Clopper and Pearson, Biometrika 26(4), 1934, for the exact tail).
+    """
+    return over > 0 and binomial_tail(over, finished, share) < alpha
+
+
 def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | None:
     """Why the pool is behind now, or None."""
     cfg, perf = state.config, state.perf
     if sig.oldest_wait_ms > cfg.ttft_ms:
         return f"a request waits {sig.oldest_wait_ms:.0f} ms > TTFT target {cfg.ttft_ms:g}"
-    tail = sig.finished_requests >= MIN_TAIL_REQUESTS
+    n = sig.finished_requests
+    if sig.ttft_over_target is not None and tail_excess(sig.ttft_over_target, n):
+        return f"{sig.ttft_over_target} of {n} finished requests over TTFT target {cfg.ttft_ms:g} ms"
+    if sig.itl_over_target is not None and tail_excess(sig.itl_over_target, n):
+        return f"{sig.itl_over_target} of {n} finished requests over ITL target {cfg.itl_ms:g} ms"
+    tail = n >= MIN_TAIL_REQUESTS
     if tail and sig.p99_ttft_ms is not None and sig.p99_ttft_ms > cfg.ttft_ms:
         return f"p99 TTFT {sig.p99_ttft_ms:.0f} ms > {cfg.ttft_ms:g}"
     if tail and sig.p99_itl_ms is not None and sig.p99_itl_ms > cfg.itl_ms:
@@ -178,6 +232,7 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
     startup_ms = 1000.0 * (cfg.worker_startup_s if sig.startup_s is None else sig.startup_s)
     raised: dict[WorkerRole, int] = {}
     notes: dict[WorkerRole, str] = {}
+    demand_step = False
     for pool in cfg.pools:
         current = int(sig.current_replicas.get(pool, 0))
         target = max(current, state.targets.get(pool, current))
@@ -189,6 +244,7 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
                            f"with no replica (demand needs {needs[pool][0]:.2f})")
         elif need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
             raised[pool] = need
+            demand_step = True
             notes[pool] = (f"reactive scale up {target} -> {need}: {pred.request_rate_per_s:.1f} req/s "
                            f"({sig.arrivals} in {sig.window_s:g} s, {sig.step_arrivals} in the last "
                            f"{sig.step_window_s or 0:g} s) need {needs[pool][0]:.2f}"
@@ -217,7 +273,8 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
     if all(not d.changed for d in decisions):
         return state, None
     runs = {pool: () for pool in cfg.pools}
-    new_state = replace(state, targets={**state.targets, **targets}, down_runs=runs)
+    new_state = replace(state, targets={**state.targets, **targets}, down_runs=runs,
+                        demand_scale_up_ms=sig.now_ms if demand_step else state.demand_scale_up_ms)
     effects = PlannerEffects(now_ms=sig.now_ms, next_tick_ms=sig.now_ms + int(sig.window_s * 1000),
                              decisions=tuple(decisions), prediction=pred,
                              prefill_correction=state.prefill_correction, decode_correction=state.decode_correction)

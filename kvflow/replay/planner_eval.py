@@ -286,7 +286,9 @@ class SlaPlannerHook:
             p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1], finished_requests=len(ttft),
             current_replicas={self.role: len(serving)}, ready_replicas={self.role: ready},
             last_scale_up_ms=int(self.reactive_ms[-1]) if self.reactive_ms else None,
-            startup_s=self.measured_startup_s(sim, now_ms))
+            startup_s=self.measured_startup_s(sim, now_ms),
+            ttft_over_target=sum(t > self.config.ttft_ms for t in ttft),
+            itl_over_target=sum(i > self.config.itl_ms for i in itl))
 
     def _fast_check(self, now_ms: float, sim: Simulation) -> None:
         state, effects = on_signals(self.state, self.signals(now_ms, sim))
