@@ -8,6 +8,7 @@ replicas and every test runs in seconds.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -391,3 +392,47 @@ def test_osl_family_sizes_short_outputs_by_their_own_profile():
     assert need(family, 8.0) == pytest.approx(by_short)
     assert abs(by_short - by_long) > 0.2 * by_short  # one fixed-OSL profile misjudges short outputs
     assert need(family, 64.0) == pytest.approx(need(PerfModel.from_profile(long_, itl_statistic="p99"), 64.0))
+
+
+def test_replay_and_the_live_planner_plan_with_the_osl_family(burst_csv, tmp_path):
+    """`kvflow replay --planner sla --profile-kind family` sizes with aggregated profiles at several
+    mean OSLs; `kvflow profile --osl N` writes such profiles, and `--profile` given several of them
+    makes the live planner loop size with their family."""
+    from kvflow.cli import app
+    from kvflow.planner.loop import PlannerLoop, load_profile
+    from kvflow.settings import Settings
+    from kvflow.streams.catalog import Catalog
+
+    out = tmp_path / "family.json"
+    result = CliRunner().invoke(app, [
+        "replay", str(burst_csv), "--mode", "offline", "--planner", "sla", "--ttft-ms", "1000", "--itl-ms", "100",
+        "--adjustment-interval-s", "10", "--max-workers", "4", "--workers", "1", "--profile-kind", "family",
+        "--speedup-ratio", "0.1", "--sla-target", "0.9", "--itl-statistic", "p99", "--json", str(out),
+        "--no-progress"])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(out.read_text())["planner"]["settings"]
+    assert settings["profile"] == "family" and settings["profile_osl"] == [16.0, 32.0, 64.0, 128.0, 256.0, 512.0]
+
+    paths = []
+    for osl in (16, 256):
+        paths.append(tmp_path / f"agg{osl}.json")
+        made = CliRunner().invoke(app, ["profile", "--out", str(paths[-1]), "--osl", str(osl), "--isl", "256,1024",
+                                        "--concurrency", "1,4,16", "--speedup-ratio", "0.1", "--no-plot"])
+        assert made.exit_code == 0, made.output
+    refused = CliRunner().invoke(app, ["profile", "--out", str(tmp_path / "x.json"), "--engine", "hf",
+                                       "--osl", "16"])
+    assert refused.exit_code != 0 and "--osl profiles the mocker only" in refused.output
+    profiles = load_profile(paths)
+    assert [p.engine_config["osl"] for p in profiles] == [16.0, 256.0]
+    config = PlannerConfig(mode="aggregated", itl_statistic="p99")
+
+    async def perf_of_loop(profile):  # the loop's producer is made (not started) inside an event loop
+        loop = PlannerLoop(Settings(bootstrap_servers="127.0.0.1:9"), Catalog("t"), None, config, profile, dict)
+        return loop.state.perf
+
+    family = asyncio.run(perf_of_loop(profiles))
+    assert isinstance(family, PerfFamily)
+    short, long_ = family.at_osl(16), family.at_osl(256)
+    # short outputs: far fewer output tokens/s per replica within the same ITL (one prefill per request)
+    assert short.decode.best(1024, 100).throughput_tokens_per_s < long_.decode.best(1024, 100).throughput_tokens_per_s
+    assert isinstance(asyncio.run(perf_of_loop(load_profile([paths[0]]))), PerfModel)

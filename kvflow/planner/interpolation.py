@@ -41,7 +41,7 @@ import numpy as np
 
 from kvflow.planner.profile import Profile
 
-__all__ = ["OperatingPoint", "LatencySurface", "PerfModel", "PerfFamily", "PerfSource", "blend_surfaces"]
+__all__ = ["OperatingPoint", "LatencySurface", "PerfModel", "PerfFamily", "PerfSource", "blend_surfaces", "perf_source"]
 
 
 @dataclass(frozen=True)
@@ -334,3 +334,23 @@ def _feasible(lat: np.ndarray, thr: np.ndarray, length: float) -> np.ndarray:
     if not valid.any():
         raise ValueError(f"profile has no feasible point at length {length}")
     return valid
+
+
+def perf_source(profiles: Profile | Sequence[Profile], refine: int = 16, *, ttft_statistic: str = "mean",
+                itl_statistic: str = "mean") -> PerfSource:
+    """The planner's model of one profile (:class:`PerfModel`), or of several taken at
+    different mean OSLs (:class:`PerfFamily`; a list of one is that profile's model),
+    read at the planner's latency statistics (``"p99"``: the p99 grids where present).
+
+    Raises:
+        ValueError: no profiles, or several and one records no mean OSL (``engine_config["osl"]``).
+    """
+    stats = {"ttft_statistic": ttft_statistic, "itl_statistic": itl_statistic}
+    if isinstance(profiles, Profile):
+        return PerfModel.from_profile(profiles, refine, **stats)
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("no profiles to plan with")
+    if len(profiles) == 1:
+        return PerfModel.from_profile(profiles[0], refine, **stats)
+    return PerfFamily.from_profiles(profiles, refine, **stats)

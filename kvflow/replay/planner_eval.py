@@ -493,12 +493,15 @@ def smallest_static_pool(trace: Trace, sim_config: SimConfig, sla_ttft_ms: float
     return hi, True, runs
 
 
-PROFILE_KINDS = ("phases", "aggregated")
+PROFILE_KINDS = ("phases", "aggregated", "family")
 """``phases``: :func:`kvflow.planner.profile.run_profile` (prefill alone, decode
-alone); ``aggregated``: :func:`aggregated_mocker_profile` (both at once, closed loop)."""
+alone); ``aggregated``: :func:`aggregated_mocker_profile` (both at once, closed loop)
+at one mean OSL; ``family``: :func:`aggregated_mocker_profiles` at each OSL of
+:data:`PROFILE_OSLS`, which the planner blends around the OSL it observes
+(:class:`~kvflow.planner.interpolation.PerfFamily`)."""
 
 
-def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.0) -> Profile:
+def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.0) -> Profile | list[Profile]:
     """Profile the mocker with the simulator's own engine settings (capacity,
     step-time coefficients, ``speedup_ratio``), so the planner sizes the
     replicas it actually gets.
@@ -508,6 +511,9 @@ def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.
         kind: one of :data:`PROFILE_KINDS`.
         osl: ``aggregated`` only: mean output tokens of the profiled requests.
 
+    Returns:
+        One profile, or for ``family`` one per OSL of :data:`PROFILE_OSLS`.
+
     Raises:
         ValueError: unknown ``kind``.
     """
@@ -515,6 +521,8 @@ def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.
         return run_profile("mocker", config=mocker)
     if kind == "aggregated":
         return aggregated_mocker_profile(mocker, osl=osl)
+    if kind == "family":
+        return aggregated_mocker_profiles(mocker)
     raise ValueError(f"unknown profile kind {kind!r}; choose one of {PROFILE_KINDS}")
 
 
@@ -715,7 +723,8 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
             OSLs (:func:`aggregated_mocker_profiles`) make a
             :class:`~kvflow.planner.interpolation.PerfFamily` that sizes by the
             observed OSL; default: :func:`profile_for` the simulator's mocker
-            as ``profile_kind`` (the aggregated kind with the trace's mean OSL).
+            as ``profile_kind`` (the aggregated kind with the trace's mean OSL;
+            the family kind at :data:`PROFILE_OSLS`).
         profile_kind: one of :data:`PROFILE_KINDS`; recorded in the summary's
             settings (``"given"`` when ``profile`` is passed).
         progress: progress bar for the planner run.
