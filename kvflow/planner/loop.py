@@ -25,8 +25,8 @@ the pool's counted replicas first reach its target.
 Between ticks, with ``fast_interval_s`` set, the fast reactive path
 (:meth:`PlannerLoop.fast_check`, :func:`~kvflow.planner.reactive.on_signals`)
 runs every ``fast_interval_s`` on the last ``reactive_window_s`` seconds of
-finished requests (their count stands for arrivals, with their mean ISL/OSL
-and p99 TTFT/ITL; a second count over the last ``reactive_step_window_s``
+finished requests (their count stands for arrivals, with their mean ISL/OSL,
+p99 TTFT/ITL and how many exceeded each target; a second count over the last ``reactive_step_window_s``
 seconds sizes a step) and, when ``load_signals`` is given, the workers' waiting
 requests and prompt tokens from their heartbeats, and, when
 ``held_requests`` is given, the requests the router holds (with a pool at
@@ -330,7 +330,8 @@ class PlannerLoop:
         if self.before_query is not None:
             await self.before_query()
         agg = await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(window_s * 1000), t1,
-                                        model=self.model)
+                                        model=self.model, ttft_target_ms=self.config.ttft_ms,
+                                        itl_target_ms=self.config.itl_ms)
         step_s = self.config.reactive_step_window_s
         step = (await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(step_s * 1000), t1,
                                           model=self.model)).num_requests if step_s else 0
@@ -345,6 +346,7 @@ class PlannerLoop:
                 mean_osl=agg.mean_osl, waiting_requests=waiting + held, waiting_prefill_tokens=tokens,
                 oldest_wait_ms=oldest_ms,
                 p99_ttft_ms=agg.p99_ttft_ms, p99_itl_ms=agg.p99_itl_ms, finished_requests=agg.num_requests,
+                ttft_over_target=agg.ttft_over_target, itl_over_target=agg.itl_over_target,
                 current_replicas=current,
                 ready_replicas=current, last_scale_up_ms=self.last_fast_ms, startup_s=self.lead_time.startup_s))
             if effects is None:
