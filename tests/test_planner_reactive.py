@@ -175,3 +175,20 @@ def test_an_interval_with_a_demand_step_keeps_the_correction_factors(perf):  # n
     assert learnt.decode_correction > 1.5  # the same interval without a step: observed 45 ms over the profile's
     _, later = on_tick(stepped, dataclasses.replace(tick, now_ms=140_000))  # the step was in an earlier interval
     assert later.decode_correction == learnt.decode_correction
+
+
+def test_a_pressure_step_is_sized_by_the_corrections_its_window_gives(perf):  # noqa: F811
+    """Before any interval corrected the profile, a pool whose requests miss the ITL target grows to
+    what their latency calls for (at most x2 per step), not one replica per start-up time."""
+    state = state_at(perf, 4, itl_statistic="p99", correction_max=1.6)
+    # 12 finished req/s on 4 replicas: 600 output tok/s each, where the profile expects ITL 20 ms;
+    # observed p99 40 ms: factor 2, clamped to 1.6 -> ITL goal 31 ms, which this two-point profile
+    # meets only at concurrency 1 (100 tok/s): 8 req/s x 200 tokens need 16 replicas; x2 from 4 is 8
+    slow = signals(8.0, 4, p99_itl_ms=40.0, finished_requests=60, itl_over_target=6)
+    effects = on_signals(state, slow)[1]
+    assert effects.target(A) == 8
+    assert "demand needs 1.00; 16 with the window's corrections 1.00/1.60" in effects.decisions[0].reason
+    # the interval path's statistic is the mean: the window's p99 gives no correction: one replica more
+    assert on_signals(state_at(perf, 4, correction_max=1.6), slow)[1].target(A) == 5
+    # a replica the last step started has not served yet: wait for it
+    assert on_signals(state, dataclasses.replace(slow, ready_replicas={A: 3}))[1] is None

@@ -73,7 +73,7 @@ from kvflow.schemas.workers import WorkerRole
 __all__ = [
     "LATENCY_STATISTICS", "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction",
     "PoolDecision", "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
-    "pool_needs", "lead_steps", "fit_budget",
+    "pool_needs", "lead_steps", "fit_budget", "window_corrections",
 ]
 
 _EPS = 1e-9
@@ -457,6 +457,21 @@ def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float
     expected = surface.latency_at_throughput(length, load_tokens_per_s)
     w = cfg.correction_smoothing
     return _clamp(w * (observed_ms / expected) + (1.0 - w) * previous, cfg.correction_min, cfg.correction_max)
+
+
+def window_corrections(state: PlannerState, traffic: TrafficObservation,
+                       serving_replicas: Mapping[WorkerRole, float]) -> tuple[float, float]:
+    """The prefill and decode correction factors the interval path would take from
+    ``traffic`` served by ``serving_replicas`` (same formula, smoothing and clamp as
+    step 2 of the module docstring), without storing them: the fast path sizes a
+    pressure step with them (:mod:`kvflow.planner.reactive`) before the first
+    interval has corrected anything.
+
+    Raises:
+        ValueError: the profile has no feasible point at the traffic's lengths.
+    """
+    tick = TickInput(now_ms=0, traffic=traffic, current_replicas=serving_replicas)
+    return _corrections_from(state, tick, traffic, traffic, _hit_rate(traffic, state.kv_hit_rate))
 
 
 def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:

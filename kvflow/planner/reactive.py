@@ -30,10 +30,18 @@ ever scales **up**:
    target and there is pressure, or when it reaches ``reactive_jump`` times
    the target (a step in arrivals shows before any queue builds).
    With pressure but no demand excess (longer prompts than the profile
-   assumed, a slow replica), add one replica, only while none is starting
+   assumed, a slow replica), add replicas, only while none is starting
    and at most once per start-up time plus one window (the last replica
    added must have served for a window before its effect can show: a
    backlog built while it started does not by itself call for another).
+   Under pressure the window's demand is sized with the correction factors
+   its own finished requests give (the interval path's formula on the
+   window's p99 TTFT/ITL, :func:`~kvflow.planner.core.window_corrections`,
+   where above the state's), growing beyond the uncorrected need by at
+   most ``max_scale_up_factor`` as the interval path does; at least one
+   replica is added. Before the first interval has corrected anything (a
+   cold start, a new traffic mix) a pool then grows to the size its
+   observed latency calls for, not one replica per start-up time.
    **Cold start**: a pool scaled to zero (``min_*_replicas = 0``) that
    serves whole requests (aggregated, or decode in disaggregated mode)
    starts at least one replica as soon as any request waits
@@ -57,7 +65,9 @@ from kvflow.planner.core import (
     PlannerState,
     PoolDecision,
     Prediction,
+    TrafficObservation,
     fit_budget,
+    window_corrections,
 )
 from kvflow.planner.core import pool_needs as _pool_needs
 from kvflow.schemas.workers import WorkerRole
@@ -207,6 +217,30 @@ def _pressure(state: PlannerState, sig: LiveSignals, pool: WorkerRole) -> str | 
     return None
 
 
+def _pressure_step(state: PlannerState, sig: LiveSignals, pred: Prediction, pool: WorkerRole, target: int,
+                   need: int) -> tuple[int, str]:
+    """The target of a pressure step: the window's demand sized with the correction factors
+    the window's own latencies give (:func:`~kvflow.planner.core.window_corrections`, where
+    above the state's), at least one replica more, and beyond the demand's need by at most
+    ``max_scale_up_factor`` (as the interval path grows); one replica more without a window
+    correction. Returns the target and a note."""
+    cfg = state.config
+    if not (pred.request_rate_per_s > 0 and sig.mean_isl and sig.mean_osl and sig.finished_requests):
+        return target + 1, ""
+
+    window = TrafficObservation(duration_s=sig.window_s, num_requests=sig.finished_requests, mean_isl=sig.mean_isl,
+                                mean_osl=sig.mean_osl, p99_ttft_ms=sig.p99_ttft_ms, p99_itl_ms=sig.p99_itl_ms)
+    p_win, d_win = window_corrections(state, window, sig.ready_replicas)
+    p_corr, d_corr = max(p_win, state.prefill_correction), max(d_win, state.decode_correction)
+    if (p_corr, d_corr) == (state.prefill_correction, state.decode_correction):
+        return target + 1, ""
+    corrected = math.ceil(_pool_needs(state, pred, p_corr, d_corr)[pool][0] - 1e-9)
+    f = cfg.max_scale_up_factor
+    bound = corrected if f is None else max(need, target + 1, math.ceil(target * f - 1e-9))
+    step = max(target + 1, min(corrected, bound))
+    return step, f"; {corrected} with the window's corrections {p_corr:.2f}/{d_corr:.2f}"
+
+
 def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, PlannerEffects | None]:
     """One fast-path check (see the module docstring).
 
@@ -243,18 +277,21 @@ def on_signals(state: PlannerState, sig: LiveSignals) -> tuple[PlannerState, Pla
             notes[pool] = (f"reactive cold start 0 -> {raised[pool]}: {sig.waiting_requests} requests wait "
                            f"with no replica (demand needs {needs[pool][0]:.2f})")
         elif need > target and (why is not None or need >= cfg.reactive_jump * max(1, target)):
-            raised[pool] = need
+            step, how = _pressure_step(state, sig, pred, pool, target, need) if why is not None else (need, "")
+            raised[pool] = max(need, step)
             demand_step = True
-            notes[pool] = (f"reactive scale up {target} -> {need}: {pred.request_rate_per_s:.1f} req/s "
+            notes[pool] = (f"reactive scale up {target} -> {raised[pool]}: {pred.request_rate_per_s:.1f} req/s "
                            f"({sig.arrivals} in {sig.window_s:g} s, {sig.step_arrivals} in the last "
                            f"{sig.step_window_s or 0:g} s) need {needs[pool][0]:.2f}"
                            + (f"; {why}" if why else f" >= {cfg.reactive_jump:g} x {target}")
-                           + f" ({needs[pool][1]})")
+                           + f"{how} ({needs[pool][1]})")
         elif why is not None and need <= target and sig.ready_replicas.get(pool, 0) >= current and (
                 sig.last_scale_up_ms is None or sig.now_ms - sig.last_scale_up_ms >= startup_ms + 1000.0 *
                 sig.window_s):
-            raised[pool] = target + 1
-            notes[pool] = f"reactive scale up {target} -> {target + 1}: {why} (demand needs {needs[pool][0]:.2f})"
+            step, how = _pressure_step(state, sig, pred, pool, target, need)
+            raised[pool] = step
+            notes[pool] = (f"reactive scale up {target} -> {step}: {why} (demand needs {needs[pool][0]:.2f}"
+                           f"{how})")
     if not raised:
         return state, None
     wanted = {pool: raised.get(pool, max(int(sig.current_replicas.get(pool, 0)),
