@@ -269,7 +269,8 @@ def _run_pool_planners(trace: Trace, config: SimConfig, planner: PlannerConfig, 
 
 
 def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig, *, max_workers: int,
-                         sla_target: float, sla_ttft_ms: float, sla_itl_ms: float, profile: Profile | list[Profile] | None,
+                         sla_target: float, sla_ttft_ms: float, sla_itl_ms: float,
+                         profile: Profile | list[Profile] | None,
                          profile_kind: str, progress: bool, json_path: str | Path | None,
                          markdown_path: str | Path | None, plot_dir: str | Path | None,
                          reactive_interval_s: float | None = 1.0) -> Report:
