@@ -20,6 +20,13 @@ default ``1,30`` is a mocker worker's measured start-up
 (``bench/worker_startup.py``: 0.9–1.1 s from spawn to serving) and a
 GPU-like 30 s.
 
+The planner sizes with aggregated mocker profiles taken at each mean OSL of
+:data:`kvflow.replay.planner_eval.PROFILE_OSLS` (16 to 512 tokens), read at
+its latency statistics (p99 grids for the p99 ITL target) and blended around
+the mean OSL it observes (:class:`kvflow.planner.interpolation.PerfFamily`);
+``--fixed-profile-osl N`` sizes with one profile at N tokens instead, as
+before.
+
 The planner starts from ``--initial-workers`` workers (default 2); ``warm``
 starts from the pool the planner core sizes for the first interval's load
 before it has learnt any correction
@@ -63,9 +70,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvflow, not an installed copy
 
 from kvflow.planner.core import PlannerConfig  # noqa: E402
-from kvflow.planner.interpolation import PerfModel  # noqa: E402
+from kvflow.planner.interpolation import PerfFamily, PerfModel, PerfSource  # noqa: E402
+from kvflow.planner.profile import Profile  # noqa: E402
 from kvflow.replay.planner_eval import (  # noqa: E402
     PlannerEvaluation,
+    aggregated_mocker_profiles,
     evaluate_planner,
     profile_for,
     replica_hours,
@@ -145,7 +154,15 @@ def static_pool_peak(trace, sim: SimConfig, pools: list[str], max_workers: int, 
     return out
 
 
-def pools_rows(args, cfg: PlannerConfig, perf: PerfModel, mocker: MockerConfig, startup_s: float,
+def perf_of(profile: Profile | list[Profile], cfg: PlannerConfig) -> PerfSource:
+    """The planner's model of one profile, or the OSL family of several, read at the
+    planner's latency statistics (p99 grids for a p99 target)."""
+    stats = {"ttft_statistic": cfg.ttft_statistic, "itl_statistic": cfg.itl_statistic}
+    return (PerfModel.from_profile(profile, **stats) if isinstance(profile, Profile)
+            else PerfFamily.from_profiles(profile, **stats))
+
+
+def pools_rows(args, cfg: PlannerConfig, perf: PerfSource, mocker: MockerConfig, startup_s: float,
                tmp: Path) -> list[dict]:
     """One row per pool of the two-pool trace: its planner against its own static peak."""
     trace = read_trace(pools_trace(args.seed, tmp))
@@ -239,7 +256,7 @@ def trace_row(name: str, path: Path, burst_start: float | None, args, cfg: Plann
     """Evaluate one trace at one start-up time: the planner against static peak and static mean."""
     t0 = time.perf_counter()
     trace = read_trace(path, end_ms=args.azure_end_s * 1000 if name == "azure_conv" else None)
-    initial = (warm_start_replicas(trace, cfg, PerfModel.from_profile(profile)) if args.initial_workers == "warm"
+    initial = (warm_start_replicas(trace, cfg, perf_of(profile, cfg)) if args.initial_workers == "warm"
                else int(args.initial_workers))
     sim = SimConfig(workers=initial, policy="round_robin", mocker=mocker, worker_startup_ms=startup_s * 1000.0)
     ev = evaluate_planner(trace, sim, cfg, max_replicas=args.max_workers, sla_ttft_ms=SLA_TTFT_MS,
@@ -291,12 +308,16 @@ def main() -> None:
     ap.add_argument("--no-fast-path", action="store_true", help="interval ticks only (for comparison)")
     ap.add_argument("--no-pools", action="store_true", help="skip the two-pool run")
     ap.add_argument("--plots", type=Path, default=None, help="write one PNG per trace and start-up time here")
+    ap.add_argument("--fixed-profile-osl", type=float, default=None,
+                    help="size with one aggregated profile at this OSL instead of the OSL family (for comparison)")
     args = ap.parse_args()
     startups = [float(v) for v in args.worker_startup_s.split(",") if v]
 
     mocker = MockerConfig(speedup_ratio=args.speedup_ratio)
-    # One profile for every trace: aggregated closed loop at a fixed 256-token OSL (no trace's own mix).
-    profile = profile_for(mocker, "aggregated", osl=256.0)
+    # One set of profiles for every trace: aggregated closed loop at each OSL of PROFILE_OSLS; the planner
+    # blends the two around the OSL it observes (PerfFamily). --fixed-profile-osl: one profile at one OSL.
+    profile = (aggregated_mocker_profiles(mocker) if args.fixed_profile_osl is None
+               else profile_for(mocker, "aggregated", osl=args.fixed_profile_osl))
     spec = StressSpec()
     traces: list[tuple[str, Path, float | None]] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-stress-"))
@@ -313,12 +334,12 @@ def main() -> None:
             rows.append(trace_row(name, path, burst_start, args, cfg, profile, mocker, startup_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if not args.no_pools:
-            for row in pools_rows(args, cfg, PerfModel.from_profile(profile), mocker, startup_s, tmp):
+            for row in pools_rows(args, cfg, perf_of(profile, cfg), mocker, startup_s, tmp):
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"speedup_ratio": args.speedup_ratio, "worker_startup_s": startups,
                       "initial_workers": args.initial_workers, "max_workers": args.max_workers, "seed": args.seed,
-                      "fast_path": not args.no_fast_path,
+                      "fast_path": not args.no_fast_path, "fixed_profile_osl": args.fixed_profile_osl,
                       "sla": {"ttft_ms": SLA_TTFT_MS, "itl_ms": SLA_ITL_MS, "target": args.sla_target},
                       "rows": rows}))
 

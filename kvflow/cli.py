@@ -144,8 +144,9 @@ def up(
     predictor: Annotated[str, typer.Option(
         help="SLA planner: load predictor (constant, arima, kalman, prophet, max_recent, quantile, backtest).")]
     = "constant",
-    profile: Annotated[Optional[Path], typer.Option(
-        help="SLA planner: engine profile JSON (`kvflow profile`); default: profile the mocker now.")] = None,
+    profile: Annotated[Optional[list[Path]], typer.Option(
+        help="SLA planner: engine profile JSON (`kvflow profile`); repeat with profiles taken at several mean "
+             "OSLs (`kvflow profile --osl N`) to size by the observed OSL; default: profile the mocker now.")] = None,
     speedup_ratio: Annotated[float, typer.Option(help="mocker: divide simulated time by this.")] = 1.0,
     mocker_tokenizer: Annotated[Optional[str], typer.Option(
         help="mocker: tokenize like this model (e.g. SmolLM2-135M-Instruct) instead of bytes.")] = None,
@@ -680,7 +681,9 @@ def planner_cmd(
     scale_down_hold_intervals: Annotated[int, typer.Option(min=1)] = 3,
     predictor: Annotated[str, typer.Option(
         help="constant, arima, kalman, prophet, max_recent, quantile or backtest.")] = "constant",
-    profile: Annotated[Optional[Path], typer.Option(help="Engine profile JSON; default: profile the mocker.")] = None,
+    profile: Annotated[Optional[list[Path]], typer.Option(
+        help="Engine profile JSON; repeat with profiles at several mean OSLs (`kvflow profile --osl N`) to size "
+             "by the observed OSL; default: profile the mocker.")] = None,
     connector: Annotated[str, typer.Option(help="none (publish commands only) | kubernetes.")] = "none",
     planner_mode: PlannerModeOpt = "active",
     k8s_namespace: Annotated[str, typer.Option(help="kubernetes: namespace of the worker workloads.")] = "default",
@@ -782,6 +785,9 @@ def profile_cmd(
     plot: Annotated[Optional[Path], typer.Option(
         help="Also draw the profile to this PNG (default: OUT with .png; --no-plot: none).")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no PNG.")] = False,
+    osl: Annotated[Optional[float], typer.Option(
+        min=2, help="mocker: profile an aggregated replica (prefill and decode together, closed loop) at this mean "
+                    "output length; pass several such files to --profile to size by the observed OSL.")] = None,
     decode_tokens: Annotated[int, typer.Option(
         min=2, help="hf/vllm: output tokens per sequence in each decode point's steady window.")] = 16,
     device: Annotated[str, typer.Option(help="hf: torch device.")] = "cpu",
@@ -806,6 +812,8 @@ def profile_cmd(
     _logging(verbose)
     isls = _int_list(isl) or DEFAULT_ISLS
     concs = _int_list(concurrency) or DEFAULT_CONCURRENCIES
+    if osl is not None and engine != "mocker":
+        raise typer.BadParameter("--osl profiles the mocker only", param_hint="--osl")
     try:
         if engine in ("hf", "vllm"):
             from kvflow.planner.engine_sweep import SweepConfig, profile_engine
@@ -820,7 +828,14 @@ def profile_cmd(
 
             kw = {"speedup_ratio": speedup_ratio, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
                   **({"block_size": block_size} if block_size else {})}
-            prof = run_profile(engine, isls, concs, out, model=model or "mocker", config=MockerConfig(**kw))
+            if osl is not None:
+                from kvflow.replay.planner_eval import aggregated_mocker_profile
+
+                axes = {k: v for k, v in (("isls", _int_list(isl)), ("concurrencies", _int_list(concurrency))) if v}
+                prof = aggregated_mocker_profile(MockerConfig(**kw), osl=osl, **axes)  # its own default axes
+                prof.save(out)
+            else:
+                prof = run_profile(engine, isls, concs, out, model=model or "mocker", config=MockerConfig(**kw))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     except EngineError as exc:

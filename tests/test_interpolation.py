@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.planner.interpolation import LatencySurface, PerfModel
+from kvflow.planner.interpolation import LatencySurface, PerfFamily, PerfModel
 from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile
 
 
@@ -96,3 +96,56 @@ def test_perf_model_from_profile_wires_prefill_and_decode():
     assert perf.prefill.best(150, 30).throughput_tokens_per_s == 187.5
     d = perf.decode.best(1000, 6)  # midpoint c=1.5: ITL 6 ms, 242.5 tok/s
     assert (d.concurrency, d.latency_ms, d.throughput_tokens_per_s) == (1.5, 6, 242.5)
+
+
+def _osl_profile(osl: float, decode_tps: float) -> Profile:
+    """A one-row profile at mean output length ``osl`` whose decode throughput is ``decode_tps`` at c=1."""
+    return Profile(
+        engine="test", engine_config={"osl": osl},
+        prefill=PrefillProfile(isl=[100], concurrency=[1, 2], ttft_ms=[[10, 20]],
+                               throughput_tokens_per_s=[[100, 150]]),
+        decode=DecodeProfile(context_length=[100 + osl / 2], concurrency=[1, 2], itl_ms=[[5, 10]],
+                             throughput_tokens_per_s=[[decode_tps, 2 * decode_tps]], kv_usage=[[None, None]]),
+    )
+
+
+def test_perf_family_blends_profiles_in_log_osl():
+    family = PerfFamily.from_profiles([_osl_profile(160, 400.0), _osl_profile(40, 100.0)], refine=1)
+    assert family.osls == [40.0, 160.0]
+    # outside the profiled OSLs: the nearest profile, no extrapolation
+    assert family.at_osl(10).decode.max_throughput(120) == 200.0
+    assert family.at_osl(1000).decode.max_throughput(180) == 800.0
+    # OSL 80 is halfway in log(OSL): cells and context lengths are averaged
+    mid = family.at_osl(80)
+    assert mid.decode.lengths.tolist() == pytest.approx([150.0], rel=0.01)
+    assert mid.decode.max_throughput(150) == pytest.approx(500.0, rel=0.01)
+    assert family.at_osl(80) is mid  # cached
+    # one profile answers for every OSL
+    single = PerfModel.from_profile(_osl_profile(40, 100.0))
+    assert single.at_osl(500) is single
+
+
+def test_perf_family_rejects_profiles_without_osl_or_other_grids():
+    bare = _osl_profile(40, 100.0).model_copy(update={"engine_config": {}})
+    with pytest.raises(ValueError, match="OSL"):
+        PerfFamily.from_profiles([bare])
+    other = Profile(
+        engine="test", engine_config={"osl": 80},
+        prefill=PrefillProfile(isl=[100], concurrency=[1], ttft_ms=[[10]], throughput_tokens_per_s=[[100]]),
+        decode=DecodeProfile(context_length=[140], concurrency=[1], itl_ms=[[5]],
+                             throughput_tokens_per_s=[[100]], kv_usage=[[None]]))
+    with pytest.raises(ValueError, match="grids differ"):
+        PerfFamily.from_profiles([_osl_profile(40, 100.0), other])
+
+
+def test_perf_model_reads_p99_grids_for_a_p99_target():
+    base = _osl_profile(40, 100.0)
+    profile = base.model_copy(update={"decode": base.decode.model_copy(update={"itl_p99_ms": [[8, 16]]}),
+                                      "prefill": base.prefill.model_copy(update={"ttft_p99_ms": [[15, 30]]})})
+    mean = PerfModel.from_profile(profile, refine=1)
+    p99 = PerfModel.from_profile(profile, refine=1, ttft_statistic="p99", itl_statistic="p99")
+    assert mean.decode.best(120, 10).throughput_tokens_per_s == 200.0  # mean ITL 10 ms at c=2
+    assert p99.decode.best(120, 10).throughput_tokens_per_s == 100.0  # p99 ITL 16 ms at c=2: only c=1 meets 10
+    assert p99.prefill.best(100, 20).throughput_tokens_per_s == 100.0
+    # a profile without p99 grids falls back to the mean ones
+    assert PerfModel.from_profile(base, refine=1, itl_statistic="p99").decode.best(120, 10).concurrency == 2

@@ -8,6 +8,7 @@ replicas and every test runs in seconds.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -17,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvflow.planner.core import PlannerConfig, Prediction, initial_state, pool_needs
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import PerfFamily, PerfModel
 from kvflow.planner.queries import interval_aggregates
 from kvflow.replay.offline import run_offline
 from kvflow.replay.planner_eval import (
@@ -369,3 +370,69 @@ def test_cli_runs_the_planner_and_the_static_baselines(burst_csv, tmp_path):
     assert bad.exit_code != 0 and "starting pool" in bad.output
     bad = CliRunner().invoke(app, ["replay", str(burst_csv), "--planner", "sla", "--planner-itl-statistic", "p95"])
     assert bad.exit_code != 0 and "itl_statistic" in bad.output
+
+
+def test_osl_family_sizes_short_outputs_by_their_own_profile():
+    """A replica's capacity depends on the traffic's mean OSL (one prefill per request interrupts decode):
+    profiles at several OSLs size short-output traffic by the short-OSL profile, not by one taken at a long
+    OSL, and the p99 grids are never below the mean ones."""
+    kw = dict(isls=(256, 512, 1024), concurrencies=(1, 2, 4, 8, 16), min_requests=16)
+    short, long_ = (aggregated_mocker_profile(MOCKER, osl=o, **kw) for o in (8.0, 64.0))
+    for p in (short, long_):
+        for mean_row, p99_row in zip(p.decode.itl_ms, p.decode.itl_p99_ms):
+            assert all(b >= a for a, b in zip(mean_row, p99_row) if a is not None)
+    family = PerfFamily.from_profiles([short, long_], itl_statistic="p99")
+    cfg = planner_config(itl_ms=70.0)
+
+    def need(perf, osl: float) -> float:
+        return pool_needs(initial_state(cfg, perf), Prediction(20.0, ISL, osl, 0.0))[WorkerRole.aggregated][0]
+
+    by_short = need(PerfModel.from_profile(short, itl_statistic="p99"), 8.0)
+    by_long = need(PerfModel.from_profile(long_, itl_statistic="p99"), 8.0)
+    assert need(family, 8.0) == pytest.approx(by_short)
+    assert abs(by_short - by_long) > 0.2 * by_short  # one fixed-OSL profile misjudges short outputs
+    assert need(family, 64.0) == pytest.approx(need(PerfModel.from_profile(long_, itl_statistic="p99"), 64.0))
+
+
+def test_replay_and_the_live_planner_plan_with_the_osl_family(burst_csv, tmp_path):
+    """`kvflow replay --planner sla --profile-kind family` sizes with aggregated profiles at several
+    mean OSLs; `kvflow profile --osl N` writes such profiles, and `--profile` given several of them
+    makes the live planner loop size with their family."""
+    from kvflow.cli import app
+    from kvflow.planner.loop import PlannerLoop, load_profile
+    from kvflow.settings import Settings
+    from kvflow.streams.catalog import Catalog
+
+    out = tmp_path / "family.json"
+    result = CliRunner().invoke(app, [
+        "replay", str(burst_csv), "--mode", "offline", "--planner", "sla", "--ttft-ms", "1000", "--itl-ms", "100",
+        "--adjustment-interval-s", "10", "--max-workers", "4", "--workers", "1", "--profile-kind", "family",
+        "--speedup-ratio", "0.1", "--sla-target", "0.9", "--itl-statistic", "p99", "--json", str(out),
+        "--no-progress"])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(out.read_text())["planner"]["settings"]
+    assert settings["profile"] == "family" and settings["profile_osl"] == [16.0, 32.0, 64.0, 128.0, 256.0, 512.0]
+
+    paths = []
+    for osl in (16, 256):
+        paths.append(tmp_path / f"agg{osl}.json")
+        made = CliRunner().invoke(app, ["profile", "--out", str(paths[-1]), "--osl", str(osl), "--isl", "256,1024",
+                                        "--concurrency", "1,4,16", "--speedup-ratio", "0.1", "--no-plot"])
+        assert made.exit_code == 0, made.output
+    refused = CliRunner().invoke(app, ["profile", "--out", str(tmp_path / "x.json"), "--engine", "hf",
+                                       "--osl", "16"])
+    assert refused.exit_code != 0 and "--osl profiles the mocker only" in refused.output
+    profiles = load_profile(paths)
+    assert [p.engine_config["osl"] for p in profiles] == [16.0, 256.0]
+    config = PlannerConfig(mode="aggregated", itl_statistic="p99")
+
+    async def perf_of_loop(profile):  # the loop's producer is made (not started) inside an event loop
+        loop = PlannerLoop(Settings(bootstrap_servers="127.0.0.1:9"), Catalog("t"), None, config, profile, dict)
+        return loop.state.perf
+
+    family = asyncio.run(perf_of_loop(profiles))
+    assert isinstance(family, PerfFamily)
+    short, long_ = family.at_osl(16), family.at_osl(256)
+    # short outputs: far fewer output tokens/s per replica within the same ITL (one prefill per request)
+    assert short.decode.best(1024, 100).throughput_tokens_per_s < long_.decode.best(1024, 100).throughput_tokens_per_s
+    assert isinstance(asyncio.run(perf_of_loop(load_profile([paths[0]]))), PerfModel)

@@ -137,3 +137,58 @@ def test_lead_time_tracker_measures_command_to_serving():
     t.on_command(ScalingCommand(decision_id="d3", pool=A, target_replicas=2, current_replicas=4, ts_ms=80_000))
     t.on_count({A: 2}, 81_000)  # nor do scale-downs
     assert t.samples_s == [42.0]
+
+
+def test_requests_over_target_are_pressure_in_a_window_of_a_few():
+    """A p99 over 10 requests is their maximum; counting requests over the target and testing the
+    count (exact binomial, share 1%, significance 1%) needs 2 of 10, 3 of 40, 5 of 100."""
+    from kvflow.planner.reactive import binomial_tail, tail_excess
+
+    assert binomial_tail(2, 10, 0.01) == pytest.approx(1 - 0.99 ** 10 - 10 * 0.01 * 0.99 ** 9)
+    assert binomial_tail(0, 10, 0.01) == 1.0 and binomial_tail(11, 10, 0.01) == 0.0
+    assert [min(k for k in range(1, n + 1) if tail_excess(k, n)) for n in (10, 40, 100)] == [2, 3, 5]
+    assert not tail_excess(0, 0)
+    with pytest.raises(ValueError):
+        binomial_tail(1, 5, 1.5)
+
+
+def test_a_few_slow_requests_add_a_replica_before_the_window_holds_fifty(perf):  # noqa: F811
+    state = state_at(perf, 2)
+    quiet = signals(4.0, 2, finished_requests=10, p99_itl_ms=80.0)
+    assert on_signals(state, dataclasses.replace(quiet, itl_over_target=1))[1] is None  # one in ten: noise
+    assert on_signals(state, quiet)[1] is None  # no counts, fewer than 50 finished: the p99 is not read
+    effects = on_signals(state, dataclasses.replace(quiet, itl_over_target=2))[1]
+    assert effects is not None and effects.target(A) == 3
+    assert "2 of 10 finished requests over ITL target 50 ms" in effects.decisions[0].reason
+
+
+def test_an_interval_with_a_demand_step_keeps_the_correction_factors(perf):  # noqa: F811
+    """Its latencies measured the queue built before the added replicas served, not the profile's error."""
+    state = state_at(perf, 2)
+    stepped, effects = on_signals(state, signals(64.0, 2))
+    assert effects is not None and stepped.demand_scale_up_ms == 100_000
+    slow = TrafficObservation(duration_s=30, num_requests=900, mean_isl=1000, mean_osl=200, mean_itl_ms=45.0)
+    tick = TickInput(now_ms=110_000, traffic=slow, current_replicas={A: 8})
+    _, kept = on_tick(stepped, tick)
+    assert kept.decode_correction == 1.0
+    _, learnt = on_tick(dataclasses.replace(stepped, demand_scale_up_ms=None), tick)
+    assert learnt.decode_correction > 1.5  # the same interval without a step: observed 45 ms over the profile's
+    _, later = on_tick(stepped, dataclasses.replace(tick, now_ms=140_000))  # the step was in an earlier interval
+    assert later.decode_correction == learnt.decode_correction
+
+
+def test_a_pressure_step_is_sized_by_the_corrections_its_window_gives(perf):  # noqa: F811
+    """Before any interval corrected the profile, a pool whose requests miss the ITL target grows to
+    what their latency calls for (at most x2 per step), not one replica per start-up time."""
+    state = state_at(perf, 4, itl_statistic="p99", correction_max=1.6)
+    # 12 finished req/s on 4 replicas: 600 output tok/s each, where the profile expects ITL 20 ms;
+    # observed p99 40 ms: factor 2, clamped to 1.6 -> ITL goal 31 ms, which this two-point profile
+    # meets only at concurrency 1 (100 tok/s): 8 req/s x 200 tokens need 16 replicas; x2 from 4 is 8
+    slow = signals(8.0, 4, p99_itl_ms=40.0, finished_requests=60, itl_over_target=6)
+    effects = on_signals(state, slow)[1]
+    assert effects.target(A) == 8
+    assert "demand needs 1.00; 16 with the window's corrections 1.00/1.60" in effects.decisions[0].reason
+    # the interval path's statistic is the mean: the window's p99 gives no correction: one replica more
+    assert on_signals(state_at(perf, 4, correction_max=1.6), slow)[1].target(A) == 5
+    # a replica the last step started has not served yet: wait for it
+    assert on_signals(state, dataclasses.replace(slow, ready_replicas={A: 3}))[1] is None

@@ -83,6 +83,9 @@ def test_interval_aggregates_match_hand_computation(ch):
 
     everything = interval_aggregates(ch, T0, T0 + 10_000)
     assert everything.num_requests == 5 and everything.mean_isl == 400  # (100+200+1000+300+400) / 5
+    assert (everything.ttft_over_target, everything.itl_over_target) == (None, None)
+    over = interval_aggregates(ch, T0, T0 + 10_000, model="m", ttft_target_ms=100, itl_target_ms=10)
+    assert (over.ttft_over_target, over.itl_over_target) == (2, 1)  # TTFT 150 and 250; ITL 15
 
 
 def test_empty_window_has_no_statistics(ch):

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from kvflow.planner.interpolation import LatencySurface, OperatingPoint, PerfModel
+from kvflow.planner.interpolation import LatencySurface, OperatingPoint, PerfSource
 from kvflow.planner.predictors import PREDICTORS, LoadPredictor, make_predictor
 from kvflow.schemas.scaling import ScalingCommand
 from kvflow.schemas.workers import WorkerRole
@@ -73,7 +73,7 @@ from kvflow.schemas.workers import WorkerRole
 __all__ = [
     "LATENCY_STATISTICS", "PlannerMode", "PlannerConfig", "TrafficObservation", "TickInput", "Prediction",
     "PoolDecision", "PlannerEffects", "LoadPredictors", "PlannerState", "initial_state", "on_tick", "scaling_commands",
-    "pool_needs", "lead_steps", "fit_budget",
+    "pool_needs", "lead_steps", "fit_budget", "window_corrections",
 ]
 
 _EPS = 1e-9
@@ -387,11 +387,17 @@ class PlannerState:
     ``targets``: last target per pool (absent before the first tick);
     ``down_runs``: needs below target seen on consecutive ticks, per pool;
     ``prefill_predictors``: the prefill pool's own load predictors, once a
-    tick gave :attr:`TickInput.prefill_traffic` (None before).
+    tick gave :attr:`TickInput.prefill_traffic` (None before);
+    ``demand_scale_up_ms``: when the fast path last scaled a pool up because
+    its arrivals needed more replicas than ran (None: never). An interval
+    that saw one leaves the correction factors as they were: its latencies
+    measured the missing capacity (requests queued before the added
+    replicas served), not the profile's error, as with replicas still
+    starting (``_STARTING_SHARE``).
     """
 
     config: PlannerConfig
-    perf: PerfModel
+    perf: PerfSource
     predictors: LoadPredictors
     targets: Mapping[WorkerRole, int] = field(default_factory=dict)
     down_runs: Mapping[WorkerRole, tuple[int, ...]] = field(default_factory=dict)
@@ -400,9 +406,10 @@ class PlannerState:
     kv_hit_rate: float = 0.0
     num_ticks: int = 0
     prefill_predictors: LoadPredictors | None = None
+    demand_scale_up_ms: int | None = None
 
 
-def initial_state(config: PlannerConfig, perf: PerfModel) -> PlannerState:
+def initial_state(config: PlannerConfig, perf: PerfSource) -> PlannerState:
     """A fresh planner: empty predictors, corrections 1.0, no targets yet.
 
     Raises:
@@ -452,6 +459,21 @@ def _correction(surface: LatencySurface, length: float, load_tokens_per_s: float
     return _clamp(w * (observed_ms / expected) + (1.0 - w) * previous, cfg.correction_min, cfg.correction_max)
 
 
+def window_corrections(state: PlannerState, traffic: TrafficObservation,
+                       serving_replicas: Mapping[WorkerRole, float]) -> tuple[float, float]:
+    """The prefill and decode correction factors the interval path would take from
+    ``traffic`` served by ``serving_replicas`` (same formula, smoothing and clamp as
+    step 2 of the module docstring), without storing them: the fast path sizes a
+    pressure step with them (:mod:`kvflow.planner.reactive`) before the first
+    interval has corrected anything.
+
+    Raises:
+        ValueError: the profile has no feasible point at the traffic's lengths.
+    """
+    tick = TickInput(now_ms=0, traffic=traffic, current_replicas=serving_replicas)
+    return _corrections_from(state, tick, traffic, traffic, _hit_rate(traffic, state.kv_hit_rate))
+
+
 def _corrections(state: PlannerState, tick: TickInput, hit_rate: float) -> tuple[float, float]:
     """Prefill (TTFT) and decode (ITL) correction factors from the interval just served
     (each from its own pool's requests when :attr:`TickInput.prefill_traffic` is given)."""
@@ -479,11 +501,13 @@ def _corrections_from(state: PlannerState, tick: TickInput, pt: TrafficObservati
         eff_isl = max(1.0, pt.mean_isl * (1.0 - hit_rate))
         ttft = pt.p99_ttft_ms if cfg.ttft_statistic == "p99" else pt.mean_ttft_ms
         if ttft is not None:
-            p_corr = _correction(perf.prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p, ttft, p_corr, cfg)
+            p_corr = _correction(perf.at_osl(pt.mean_osl).prefill, eff_isl, pt.request_rate_per_s * eff_isl / n_p,
+                                 ttft, p_corr, cfg)
     if dt is not None and dt.num_requests > 0 and dt.mean_isl and dt.mean_osl and n_d > 0:
         itl = dt.p99_itl_ms if cfg.itl_statistic == "p99" else dt.mean_itl_ms
         if itl is not None:
-            d_corr = _correction(perf.decode, dt.mean_isl + dt.mean_osl / 2, dt.request_rate_per_s * dt.mean_osl / n_d,
+            d_corr = _correction(perf.at_osl(dt.mean_osl).decode, dt.mean_isl + dt.mean_osl / 2,
+                                 dt.request_rate_per_s * dt.mean_osl / n_d,
                                  itl, d_corr, cfg)
     return p_corr, d_corr
 
@@ -519,10 +543,11 @@ def _phase_needs(state: PlannerState, pred: Prediction, p_corr: float, d_corr: f
         if p_pred.osl is None and p_pred.isl is not None:
             p_pred = replace(p_pred, osl=1.0)  # prefill sizing reads no output length
         return _phase_needs(state, p_pred, p_corr, d_corr)[0], _phase_needs(state, pred, p_corr, d_corr)[1]
-    cfg, perf = state.config, state.perf
+    cfg = state.config
     if pred.request_rate_per_s <= 0 or pred.isl is None or pred.osl is None:
         idle = _Need(0.0, 0.0, None, "no predicted load")
         return idle, idle
+    perf = state.perf.at_osl(pred.osl)  # the profile of the predicted output length (PerfFamily)
     rate = pred.request_rate_per_s
     eff_isl = max(1.0, pred.isl * (1.0 - pred.kv_hit_rate))
     ttft_goal = cfg.ttft_ms / p_corr
@@ -641,7 +666,11 @@ def on_tick(state: PlannerState, tick: TickInput) -> tuple[PlannerState, Planner
         p_pred = _predict(p_preds, hit_rate, steps)
     else:
         hit_rate = _hit_rate(tick.traffic, state.kv_hit_rate)
-    p_corr, d_corr = _corrections(state, tick, hit_rate)
+    interval_start_ms = tick.now_ms - 1000.0 * tick.traffic.duration_s
+    if state.demand_scale_up_ms is not None and state.demand_scale_up_ms >= interval_start_ms:
+        p_corr, d_corr = state.prefill_correction, state.decode_correction  # see PlannerState
+    else:
+        p_corr, d_corr = _corrections(state, tick, hit_rate)
     pred = _predict(preds, hit_rate, steps)
     needs = _pool_needs(cfg, *_phase_needs(state, pred, p_corr, d_corr, p_pred))
     uncorrected = _pool_needs(cfg, *_phase_needs(state, pred, 1.0, 1.0, p_pred))

@@ -25,8 +25,8 @@ the pool's counted replicas first reach its target.
 Between ticks, with ``fast_interval_s`` set, the fast reactive path
 (:meth:`PlannerLoop.fast_check`, :func:`~kvflow.planner.reactive.on_signals`)
 runs every ``fast_interval_s`` on the last ``reactive_window_s`` seconds of
-finished requests (their count stands for arrivals, with their mean ISL/OSL
-and p99 TTFT/ITL; a second count over the last ``reactive_step_window_s``
+finished requests (their count stands for arrivals, with their mean ISL/OSL,
+p99 TTFT/ITL and how many exceeded each target; a second count over the last ``reactive_step_window_s``
 seconds sizes a step) and, when ``load_signals`` is given, the workers' waiting
 requests and prompt tokens from their heartbeats, and, when
 ``held_requests`` is given, the requests the router holds (with a pool at
@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +56,7 @@ from kvflow.planner.core import (
     on_tick,
     scaling_commands,
 )
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import perf_source
 from kvflow.planner.profile import Profile, run_profile
 from kvflow.planner.reactive import LiveSignals, on_signals
 from kvflow.planner.queries import IntervalAggregates, interval_aggregates
@@ -95,8 +95,13 @@ def workers_topic_load(settings: Settings, catalog: Catalog) -> LoadSignals:
     return load
 
 
-def load_profile(path: Path | str | None, engine: str = "mocker", **mocker_kwargs) -> Profile:
+def load_profile(path: Path | str | Sequence[Path | str] | None, engine: str = "mocker",
+                 **mocker_kwargs) -> Profile | list[Profile]:
     """The profile to plan with: read from ``path``, or measured now for the mocker.
+
+    Several paths (profiles taken at different mean OSLs, e.g. ``kvflow
+    profile --osl N``) return the list, which :class:`PlannerLoop` turns into
+    an OSL family; one path in a list returns that profile.
 
     Without a path, :func:`~kvflow.planner.profile.run_profile` sweeps the
     mocker on a simulated clock (well under a second); ``mocker_kwargs``
@@ -110,6 +115,12 @@ def load_profile(path: Path | str | None, engine: str = "mocker", **mocker_kwarg
             timing a real engine takes minutes, so it is never done implicitly
             (``kvflow profile --engine hf|vllm`` writes the file to pass).
     """
+    if isinstance(path, (list, tuple)):
+        if not path:
+            path = None
+        else:
+            loaded = [Profile.load(p) for p in path]
+            return loaded[0] if len(loaded) == 1 else loaded
     if path is not None:
         return Profile.load(path)
     if engine != "mocker":
@@ -196,7 +207,10 @@ class PlannerLoop:
         catalog: topic catalog.
         clickhouse: the process's :class:`~kvflow.planner.service.SharedClickHouse`.
         config: planner settings (``adjustment_interval_s`` is the tick period).
-        profile: engine profile (see :func:`load_profile`).
+        profile: engine profile (see :func:`load_profile`), or several taken at
+            different mean OSLs: the planner then sizes with the two around
+            the OSL it observes (:class:`~kvflow.planner.interpolation.PerfFamily`).
+            Read at ``config``'s latency statistics (p99 grids for a p99 target).
         current_replicas: replicas running now, per pool (a plain or an async function).
         model: plan on this model's requests only (``None``: all requests).
         settle_s: the window ends this many seconds before the tick (Kafka and
@@ -212,8 +226,9 @@ class PlannerLoop:
             from zero (:mod:`kvflow.planner.reactive`, cold start).
     """
 
-    def __init__(self, settings: Settings, catalog: Catalog, clickhouse, config: PlannerConfig, profile: Profile,
-                 current_replicas: ReplicaCounter, *, model: str | None = None, settle_s: float = 1.0,
+    def __init__(self, settings: Settings, catalog: Catalog, clickhouse, config: PlannerConfig,
+                 profile: Profile | Sequence[Profile], current_replicas: ReplicaCounter, *,
+                 model: str | None = None, settle_s: float = 1.0,
                  before_query: Callable[[], Awaitable[object]] | None = None,
                  clock_ms: Callable[[], int] = now_ms, shadow: bool = False,
                  fast_interval_s: float | None = None, load_signals: LoadSignals | None = None,
@@ -224,7 +239,8 @@ class PlannerLoop:
             raise ValueError("settle_s must be >= 0")
         self.settings, self.catalog, self.clickhouse = settings, catalog, clickhouse
         self.config = config
-        self.state: PlannerState = initial_state(config, PerfModel.from_profile(profile))
+        self.state: PlannerState = initial_state(config, perf_source(
+            profile, ttft_statistic=config.ttft_statistic, itl_statistic=config.itl_statistic))
         self.current_replicas = current_replicas
         self.model = model
         self.settle_ms = int(settle_s * 1000)
@@ -314,7 +330,8 @@ class PlannerLoop:
         if self.before_query is not None:
             await self.before_query()
         agg = await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(window_s * 1000), t1,
-                                        model=self.model)
+                                        model=self.model, ttft_target_ms=self.config.ttft_ms,
+                                        itl_target_ms=self.config.itl_ms)
         step_s = self.config.reactive_step_window_s
         step = (await self.clickhouse.run(interval_aggregates, self.clickhouse.client, t1 - int(step_s * 1000), t1,
                                           model=self.model)).num_requests if step_s else 0
@@ -329,6 +346,7 @@ class PlannerLoop:
                 mean_osl=agg.mean_osl, waiting_requests=waiting + held, waiting_prefill_tokens=tokens,
                 oldest_wait_ms=oldest_ms,
                 p99_ttft_ms=agg.p99_ttft_ms, p99_itl_ms=agg.p99_itl_ms, finished_requests=agg.num_requests,
+                ttft_over_target=agg.ttft_over_target, itl_over_target=agg.itl_over_target,
                 current_replicas=current,
                 ready_replicas=current, last_scale_up_ms=self.last_fast_ms, startup_s=self.lead_time.startup_s))
             if effects is None:

@@ -65,7 +65,9 @@ def _check_grid(name: str, grid: Grid, rows: int, cols: int) -> None:
 class PrefillProfile(BaseModel):
     """Prefill grid: ``ttft_ms[i][j]`` and ``throughput_tokens_per_s[i][j]`` at
     ``isl[i]`` tokens and ``concurrency[j]`` prompts batched together; ``None``
-    where infeasible. Throughput counts new prompt tokens per second per replica."""
+    where infeasible. Throughput counts new prompt tokens per second per replica.
+    ``ttft_p99_ms`` (optional, same shape): the 99th percentile of the requests'
+    TTFT where the sweep measured it (a planner targeting p99 TTFT sizes by it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,13 +75,15 @@ class PrefillProfile(BaseModel):
     concurrency: list[int]
     ttft_ms: Grid
     throughput_tokens_per_s: Grid
+    ttft_p99_ms: Grid | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> PrefillProfile:
         _check_axis("isl", self.isl)
         _check_axis("concurrency", self.concurrency)
-        for name in ("ttft_ms", "throughput_tokens_per_s"):
-            _check_grid(name, getattr(self, name), len(self.isl), len(self.concurrency))
+        for name in ("ttft_ms", "throughput_tokens_per_s", "ttft_p99_ms"):
+            if getattr(self, name) is not None:
+                _check_grid(name, getattr(self, name), len(self.isl), len(self.concurrency))
         return self
 
 
@@ -87,7 +91,10 @@ class DecodeProfile(BaseModel):
     """Decode grid: ``itl_ms[i][j]``, ``throughput_tokens_per_s[i][j]`` and
     ``kv_usage[i][j]`` at ``context_length[i]`` tokens per sequence and
     ``concurrency[j]`` sequences; ``None`` where infeasible. Throughput counts
-    output tokens per second per replica; KV usage is a fraction of blocks."""
+    output tokens per second per replica; KV usage is a fraction of blocks.
+    ``itl_p99_ms`` (optional, same shape): the 99th percentile over requests of
+    their mean ITL where the sweep measured it (a planner targeting p99 ITL
+    sizes by it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -96,13 +103,15 @@ class DecodeProfile(BaseModel):
     itl_ms: Grid
     throughput_tokens_per_s: Grid
     kv_usage: Grid
+    itl_p99_ms: Grid | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> DecodeProfile:
         _check_axis("context_length", self.context_length)
         _check_axis("concurrency", self.concurrency)
-        for name in ("itl_ms", "throughput_tokens_per_s", "kv_usage"):
-            _check_grid(name, getattr(self, name), len(self.context_length), len(self.concurrency))
+        for name in ("itl_ms", "throughput_tokens_per_s", "kv_usage", "itl_p99_ms"):
+            if getattr(self, name) is not None:
+                _check_grid(name, getattr(self, name), len(self.context_length), len(self.concurrency))
         return self
 
 

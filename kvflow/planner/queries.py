@@ -45,7 +45,11 @@ def _num(value) -> float | None:
 
 @dataclass(frozen=True)
 class IntervalAggregates:
-    """Request statistics over one window ``[t0_ms, t1_ms)``. Latencies in ms, lengths in tokens."""
+    """Request statistics over one window ``[t0_ms, t1_ms)``. Latencies in ms, lengths in tokens.
+
+    ``ttft_over_target`` / ``itl_over_target``: successful requests whose TTFT /
+    mean ITL (requests with more than one output token) exceeded the targets
+    the query was given (None: no target given)."""
 
     t0_ms: int
     t1_ms: int
@@ -60,6 +64,8 @@ class IntervalAggregates:
     mean_itl_ms: float | None
     p50_itl_ms: float | None
     p99_itl_ms: float | None
+    ttft_over_target: int | None = None
+    itl_over_target: int | None = None
 
     @property
     def duration_s(self) -> float:
@@ -86,8 +92,11 @@ class IntervalAggregates:
         )
 
 
-def interval_aggregates(client: Client, t0_ms: int, t1_ms: int, *, model: str | None = None) -> IntervalAggregates:
-    """Aggregate ``request_metrics`` over ``[t0_ms, t1_ms)``, optionally for one ``model``.
+def interval_aggregates(client: Client, t0_ms: int, t1_ms: int, *, model: str | None = None,
+                        ttft_target_ms: float | None = None, itl_target_ms: float | None = None) -> IntervalAggregates:
+    """Aggregate ``request_metrics`` over ``[t0_ms, t1_ms)``, optionally for one ``model``;
+    with targets, also count the requests over each (the fast path's tail test,
+    :func:`kvflow.planner.reactive.tail_excess`).
 
     Raises:
         ValueError: ``t1_ms <= t0_ms``.
@@ -98,15 +107,21 @@ def interval_aggregates(client: Client, t0_ms: int, t1_ms: int, *, model: str | 
     sql = f"""
         SELECT count(), countIf(NOT ok), avg(isl), avg(osl), avg(cached_tokens),
                avgIf(ttft_ms, ok), quantilesExactInclusiveIf(0.5, 0.99)(ttft_ms, ok),
-               avgIf(itl_ms, {_ITL_OK}), quantilesExactInclusiveIf(0.5, 0.99)(itl_ms, {_ITL_OK})
+               avgIf(itl_ms, {_ITL_OK}), quantilesExactInclusiveIf(0.5, 0.99)(itl_ms, {_ITL_OK}),
+               countIf(ok AND ttft_ms > {{ttft_target:Float64}}), countIf({_ITL_OK} AND itl_ms > {{itl_target:Float64}})
         FROM {REQUEST_TABLE} WHERE {where}"""
-    params = {"t0": t0_ms, "t1": t1_ms} | ({"model": model} if model is not None else {})
-    n, n_failed, isl, osl, cached, ttft, ttft_q, itl, itl_q = client.query(sql, parameters=params).result_rows[0]
+    params = {"t0": t0_ms, "t1": t1_ms, "ttft_target": ttft_target_ms or 0.0, "itl_target": itl_target_ms or 0.0}
+    if model is not None:
+        params["model"] = model
+    (n, n_failed, isl, osl, cached, ttft, ttft_q, itl, itl_q, ttft_over,
+     itl_over) = client.query(sql, parameters=params).result_rows[0]
     return IntervalAggregates(
         t0_ms=t0_ms, t1_ms=t1_ms, num_requests=int(n), num_failed=int(n_failed),
         mean_isl=_num(isl), mean_osl=_num(osl), mean_cached_tokens=_num(cached),
         mean_ttft_ms=_num(ttft), p50_ttft_ms=_num(ttft_q[0]), p99_ttft_ms=_num(ttft_q[1]),
         mean_itl_ms=_num(itl), p50_itl_ms=_num(itl_q[0]), p99_itl_ms=_num(itl_q[1]),
+        ttft_over_target=None if ttft_target_ms is None else int(ttft_over),
+        itl_over_target=None if itl_target_ms is None else int(itl_over),
     )
 
 

@@ -152,7 +152,8 @@ class PlannerServices:
     Args:
         settings: Kafka and ClickHouse settings (``bootstrap_servers`` set).
         config: the planner's settings.
-        profile: the engine profile the planner sizes pools with.
+        profile: the engine profile the planner sizes pools with, or several at
+            different mean OSLs (an OSL family, see :class:`~kvflow.planner.loop.PlannerLoop`).
         current_replicas: returns replicas running now, per pool.
         connector: executes scaling commands; ``None`` runs no connector
             (commands are only published).
@@ -170,7 +171,7 @@ class PlannerServices:
 
     settings: Settings
     config: PlannerConfig
-    profile: Profile
+    profile: Profile | list[Profile]
     current_replicas: ReplicaCounter
     connector: Connector | None = None
     catalog: Catalog | None = None

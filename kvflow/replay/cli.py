@@ -163,7 +163,8 @@ def replay(
     max_workers: Annotated[int, typer.Option(min=1, help="planner: most workers (and static-peak search cap)")] = 16,
     sla_target: Annotated[float, typer.Option(help="planner: SLA attainment the static-peak pool must reach")] = 0.99,
     profile_kind: Annotated[str, typer.Option(
-        help="planner: aggregated (prefill and decode profiled together) | phases (apart)")] = "aggregated",
+        help="planner: aggregated (prefill and decode profiled together, at the trace's mean OSL) | phases "
+             "(apart) | family (aggregated at OSL 16-512, blended around the observed OSL)")] = "aggregated",
     speedup_ratio: Annotated[float, typer.Option(help="offline: mocker engine speed; step times are divided by this")]
     = 1.0,
     join: JoinOptions = JoinOptions(),

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.planner.core import PlannerConfig, PlannerMode
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import perf_source
 from kvflow.planner.profile import Profile
 from kvflow.replay.compare import compare_reports
 from kvflow.replay.planner_eval import evaluate_planner, profile_for, replica_hours, worker_lifetimes
@@ -96,7 +96,7 @@ def run_offline(
     planner: PlannerConfig | None = None,
     max_workers: int = 16,
     sla_target: float = 0.99,
-    profile: Profile | None = None,
+    profile: Profile | list[Profile] | None = None,
     profile_kind: str = "aggregated",
     prefill_workers: int = 0,
     decode_workers: int = 0,
@@ -143,7 +143,8 @@ def run_offline(
             mocker with ``mocker_config`` profiled as ``profile_kind``
             (:func:`~kvflow.replay.planner_eval.profile_for`; the aggregated
             kind uses the trace's mean OSL).
-        profile_kind: ``aggregated`` or ``phases`` (see ``profile``).
+        profile_kind: ``aggregated``, ``phases`` or ``family`` (see ``profile``;
+            :data:`~kvflow.replay.planner_eval.PROFILE_KINDS`).
         prefill_workers, decode_workers: simulated prefill-only and decode
             workers; either > 0 makes the run disaggregated (the live
             router's :func:`kvflow.router.disagg.place` rule). Aggregated
@@ -226,7 +227,7 @@ def run_offline(
 
 
 def _run_pool_planners(trace: Trace, config: SimConfig, planner: PlannerConfig, *, sla_ttft_ms: float,
-                       sla_itl_ms: float, profile: Profile | None, profile_kind: str,
+                       sla_itl_ms: float, profile: Profile | list[Profile] | None, profile_kind: str,
                        json_path: str | Path | None, markdown_path: str | Path | None, plot_dir: str | Path | None,
                        reactive_interval_s: float | None) -> Report:
     """The planner branch of :func:`run_offline` for worker pools or a disaggregated run:
@@ -248,7 +249,8 @@ def _run_pool_planners(trace: Trace, config: SimConfig, planner: PlannerConfig, 
             initial[""] = {WorkerRole.aggregated: config.workers}
         configs = {pool: planner for pool in initial}
     sim = dataclasses.replace(config, workers=0, prefill_workers=0, decode_workers=0, pool_workers={})
-    run = run_pool_planner(trace, sim, configs, PerfModel.from_profile(profile), initial=initial,
+    perf = perf_source(profile, ttft_statistic=planner.ttft_statistic, itl_statistic=planner.itl_statistic)
+    run = run_pool_planner(trace, sim, configs, perf, initial=initial,
                            sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, fast_interval_s=reactive_interval_s)
     res = run.result
     report = build_report(
@@ -267,7 +269,8 @@ def _run_pool_planners(trace: Trace, config: SimConfig, planner: PlannerConfig, 
 
 
 def _run_offline_planner(trace: Trace, config: SimConfig, planner: PlannerConfig, *, max_workers: int,
-                         sla_target: float, sla_ttft_ms: float, sla_itl_ms: float, profile: Profile | None,
+                         sla_target: float, sla_ttft_ms: float, sla_itl_ms: float,
+                         profile: Profile | list[Profile] | None,
                          profile_kind: str, progress: bool, json_path: str | Path | None,
                          markdown_path: str | Path | None, plot_dir: str | Path | None,
                          reactive_interval_s: float | None = 1.0) -> Report:

@@ -52,13 +52,14 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from kvflow.planner.core import (
     PlannerConfig, PlannerMode, PlannerState, Prediction, TickInput, initial_state, on_tick, pool_needs,
 )
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import PerfFamily, PerfModel, PerfSource
 from kvflow.planner.profile import DecodeProfile, PrefillProfile, Profile, run_profile
 from kvflow.planner.reactive import LiveSignals, on_signals
 from kvflow.planner.queries import IntervalAggregates
@@ -87,7 +88,10 @@ __all__ = [
     "profile_for",
     "PROFILE_KINDS",
     "closed_loop_point",
+    "closed_loop_stats",
     "aggregated_mocker_profile",
+    "aggregated_mocker_profiles",
+    "PROFILE_OSLS",
 ]
 
 _MS_PER_HOUR = 3_600_000.0
@@ -190,7 +194,7 @@ class SlaPlannerHook:
 
     role = WorkerRole.aggregated
 
-    def __init__(self, config: PlannerConfig, perf: PerfModel, *, fast_interval_s: float | None = 1.0) -> None:
+    def __init__(self, config: PlannerConfig, perf: PerfSource, *, fast_interval_s: float | None = 1.0) -> None:
         if config.mode is not PlannerMode.aggregated:
             raise ValueError("offline replay simulates aggregated workers; use PlannerConfig(mode='aggregated')")
         if fast_interval_s is not None and fast_interval_s <= 0:
@@ -282,7 +286,9 @@ class SlaPlannerHook:
             p99_ttft_ms=_quantiles(ttft)[1], p99_itl_ms=_quantiles(itl)[1], finished_requests=len(ttft),
             current_replicas={self.role: len(serving)}, ready_replicas={self.role: ready},
             last_scale_up_ms=int(self.reactive_ms[-1]) if self.reactive_ms else None,
-            startup_s=self.measured_startup_s(sim, now_ms))
+            startup_s=self.measured_startup_s(sim, now_ms),
+            ttft_over_target=sum(t > self.config.ttft_ms for t in ttft),
+            itl_over_target=sum(i > self.config.itl_ms for i in itl))
 
     def _fast_check(self, now_ms: float, sim: Simulation) -> None:
         state, effects = on_signals(self.state, self.signals(now_ms, sim))
@@ -389,7 +395,7 @@ class PlannerRun:
         return max((s.live for s in replica_steps(self.lifetimes)), default=0)
 
 
-def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfModel) -> int:
+def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfSource) -> int:
     """The pool a planner already running when ``trace`` begins would hold.
 
     A trace is a slice of traffic that was arriving before it: a deployment
@@ -418,7 +424,7 @@ def warm_start_replicas(trace: Trace, config: PlannerConfig, perf: PerfModel) ->
     return min(config.max_gpus, max(lo, math.ceil(need - 1e-9)))
 
 
-def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfModel, *,
+def run_with_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, perf: PerfSource, *,
                      sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
                      progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerRun:
     """Simulate ``trace`` with the SLA planner; ``sim_config.workers`` is the
@@ -487,12 +493,15 @@ def smallest_static_pool(trace: Trace, sim_config: SimConfig, sla_ttft_ms: float
     return hi, True, runs
 
 
-PROFILE_KINDS = ("phases", "aggregated")
+PROFILE_KINDS = ("phases", "aggregated", "family")
 """``phases``: :func:`kvflow.planner.profile.run_profile` (prefill alone, decode
-alone); ``aggregated``: :func:`aggregated_mocker_profile` (both at once, closed loop)."""
+alone); ``aggregated``: :func:`aggregated_mocker_profile` (both at once, closed loop)
+at one mean OSL; ``family``: :func:`aggregated_mocker_profiles` at each OSL of
+:data:`PROFILE_OSLS`, which the planner blends around the OSL it observes
+(:class:`~kvflow.planner.interpolation.PerfFamily`)."""
 
 
-def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.0) -> Profile:
+def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.0) -> Profile | list[Profile]:
     """Profile the mocker with the simulator's own engine settings (capacity,
     step-time coefficients, ``speedup_ratio``), so the planner sizes the
     replicas it actually gets.
@@ -502,6 +511,9 @@ def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.
         kind: one of :data:`PROFILE_KINDS`.
         osl: ``aggregated`` only: mean output tokens of the profiled requests.
 
+    Returns:
+        One profile, or for ``family`` one per OSL of :data:`PROFILE_OSLS`.
+
     Raises:
         ValueError: unknown ``kind``.
     """
@@ -509,6 +521,8 @@ def profile_for(mocker: MockerConfig, kind: str = "phases", *, osl: float = 256.
         return run_profile("mocker", config=mocker)
     if kind == "aggregated":
         return aggregated_mocker_profile(mocker, osl=osl)
+    if kind == "family":
+        return aggregated_mocker_profiles(mocker)
     raise ValueError(f"unknown profile kind {kind!r}; choose one of {PROFILE_KINDS}")
 
 
@@ -517,6 +531,17 @@ _GOLDEN = 0.6180339887498949  # Weyl sequence: evenly spread output lengths with
 
 def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: int,
                       rounds: int) -> tuple[float, float, float, float]:
+    """One aggregated operating point of a mocker replica (:func:`closed_loop_stats`):
+    (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s).
+
+    Raises:
+        ValueError: as :func:`closed_loop_stats`.
+    """
+    return closed_loop_stats(config, isl, osl, concurrency, rounds)[:4]
+
+
+def closed_loop_stats(config: MockerConfig, isl: int, osl: float, concurrency: int,
+                      rounds: int) -> tuple[float, float, float, float, float, float]:
     """One aggregated operating point of a mocker replica, measured closed loop.
 
     ``concurrency`` clients each send ``rounds`` requests back to back to a
@@ -531,7 +556,8 @@ def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: i
     output tokens per second computed in it.
 
     Returns:
-        (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s).
+        (mean TTFT ms, mean ITL ms, prompt tokens/s, output tokens/s, p99 TTFT ms,
+        p99 of the requests' mean ITL ms); percentiles are numpy's default (linear).
 
     Raises:
         ValueError: no request was sent and finished inside the window (raise ``rounds``).
@@ -577,7 +603,8 @@ def closed_loop_point(config: MockerConfig, isl: int, osl: float, concurrency: i
     if not ttft or t_a is None or t_b is None or t_b <= t_a:
         raise ValueError(f"no steady window at isl={isl}, concurrency={concurrency}; raise rounds")
     span_s = (t_b - t_a) / 1000.0
-    return float(np.mean(ttft)), float(np.mean(itl)), prompt_tokens / span_s, output_tokens / span_s
+    return (float(np.mean(ttft)), float(np.mean(itl)), prompt_tokens / span_s, output_tokens / span_s,
+            float(np.percentile(ttft, 99)), float(np.percentile(itl, 99)))
 
 
 def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
@@ -596,6 +623,10 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
     context length ``isl + osl/2`` (where the planner core looks them up). A
     replica's prompt and output throughputs then describe the same share of
     its time, so the core's ``aggregated_sizing="max"`` is the right reading.
+
+    Each point also records the requests' p99 TTFT and p99 mean ITL
+    (``ttft_p99_ms`` / ``itl_p99_ms``), which a planner targeting the p99 sizes by
+    (:meth:`~kvflow.planner.interpolation.PerfModel.from_profile`).
 
     Prefix caching is off (every prompt token computed). Points that cannot
     run (a sequence larger than the KV pool, or more clients than
@@ -617,12 +648,12 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
             list(concurrencies) != sorted(set(concurrencies)):
         raise ValueError("isls and concurrencies must be positive and strictly increasing")
     cfg = replace(config, enable_prefix_caching=False)
-    grid: list[list[tuple[float, float, float, float] | None]] = []
+    grid: list[list[tuple[float, ...] | None]] = []
     for isl in isls:
         row = []
         for c in concurrencies:
             fits = c <= cfg.max_num_seqs and -(-(isl + int(1.5 * osl)) // cfg.block_size) <= cfg.num_kv_blocks
-            row.append(closed_loop_point(cfg, isl, osl, c, max(8, -(-min_requests // c))) if fits else None)
+            row.append(closed_loop_stats(cfg, isl, osl, c, max(8, -(-min_requests // c))) if fits else None)
         grid.append(row)
 
     def column(k: int) -> list[list[float | None]]:
@@ -633,11 +664,30 @@ def aggregated_mocker_profile(config: MockerConfig, *, osl: float = 256.0,
         engine="mocker", model="mocker-aggregated",
         engine_config=json.loads(json.dumps(asdict(cfg))) | {"profile": "aggregated", "osl": osl},
         prefill=PrefillProfile(isl=list(isls), concurrency=list(concurrencies), ttft_ms=column(0),
-                               throughput_tokens_per_s=column(2)),
+                               throughput_tokens_per_s=column(2), ttft_p99_ms=column(4)),
         decode=DecodeProfile(context_length=[isl + half for isl in isls], concurrency=list(concurrencies),
                              itl_ms=column(1), throughput_tokens_per_s=column(3),
-                             kv_usage=[[None] * len(concurrencies) for _ in isls]),
+                             kv_usage=[[None] * len(concurrencies) for _ in isls], itl_p99_ms=column(5)),
     )
+
+
+PROFILE_OSLS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+"""Mean output lengths :func:`aggregated_mocker_profiles` profiles at, tokens: from
+completion-like to long answers, doubling (a :class:`~kvflow.planner.interpolation.PerfFamily`
+blends neighbours in log OSL)."""
+
+
+def aggregated_mocker_profiles(config: MockerConfig, *, osls: Sequence[int] = PROFILE_OSLS,
+                               **kwargs: Any) -> list[Profile]:
+    """One :func:`aggregated_mocker_profile` per mean OSL in ``osls`` (same ISL and
+    concurrency axes), for a :class:`~kvflow.planner.interpolation.PerfFamily`
+    (``PerfFamily.from_profiles``) that sizes by the traffic's observed OSL
+    instead of one fixed OSL. ``kwargs`` go to each profile.
+
+    Raises:
+        ValueError: as :func:`aggregated_mocker_profile`.
+    """
+    return [aggregated_mocker_profile(config, osl=float(o), **kwargs) for o in osls]
 
 
 @dataclass
@@ -653,7 +703,8 @@ class PlannerEvaluation:
 
 def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: PlannerConfig, *,
                      max_replicas: int, sla_ttft_ms: float | None = None, sla_itl_ms: float | None = None,
-                     sla_target: float = 0.99, profile: Profile | None = None, profile_kind: str = "aggregated",
+                     sla_target: float = 0.99, profile: Profile | Sequence[Profile] | None = None,
+                     profile_kind: str = "aggregated",
                      progress: bool = False, fast_interval_s: float | None = 1.0) -> PlannerEvaluation:
     """Run ``trace`` with the SLA planner, then on the static-peak and static-mean pools.
 
@@ -668,9 +719,12 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
             thresholds for tail headroom; one steering the p99
             (``itl_statistic="p99"``) can take the thresholds as they are.
         sla_target: attainment the static-peak pool must reach, in (0, 1].
-        profile: the planner's profile; default: :func:`profile_for` the
-            simulator's mocker as ``profile_kind`` (the aggregated kind with
-            the trace's mean OSL).
+        profile: the planner's profile; several profiles at different mean
+            OSLs (:func:`aggregated_mocker_profiles`) make a
+            :class:`~kvflow.planner.interpolation.PerfFamily` that sizes by the
+            observed OSL; default: :func:`profile_for` the simulator's mocker
+            as ``profile_kind`` (the aggregated kind with the trace's mean OSL;
+            the family kind at :data:`PROFILE_OSLS`).
         profile_kind: one of :data:`PROFILE_KINDS`; recorded in the summary's
             settings (``"given"`` when ``profile`` is passed).
         progress: progress bar for the planner run.
@@ -690,7 +744,13 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
         profile = profile_for(mocker, profile_kind, osl=max(2.0, mean_osl))
     else:
         profile_kind = "given"
-    perf = PerfModel.from_profile(profile)
+    stats = {"ttft_statistic": planner_config.ttft_statistic, "itl_statistic": planner_config.itl_statistic}
+    if isinstance(profile, Profile):
+        perf: PerfSource = PerfModel.from_profile(profile, **stats)
+        profile_osl = profile.engine_config.get("osl")
+    else:
+        perf = PerfFamily.from_profiles(profile, **stats)
+        profile_osl = [p.engine_config.get("osl") for p in profile]
     ttft = planner_config.ttft_ms if sla_ttft_ms is None else sla_ttft_ms
     itl = planner_config.itl_ms if sla_itl_ms is None else sla_itl_ms
     run = run_with_planner(trace, sim_config, planner_config, perf, sla_ttft_ms=ttft, sla_itl_ms=itl,
@@ -704,7 +764,7 @@ def evaluate_planner(trace: Trace, sim_config: SimConfig, planner_config: Planne
     peak, mean = runs[peak_n], runs[mean_n]
     settings = {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(planner_config).items()}
     settings |= {"predictor_kwargs": dict(planner_config.predictor_kwargs), "initial_replicas": sim_config.workers,
-                 "profile": profile_kind, "profile_osl": profile.engine_config.get("osl"),
+                 "profile": profile_kind, "profile_osl": profile_osl,
                  "speedup_ratio": mocker.speedup_ratio, "worker_startup_ms": sim_config.worker_startup_ms}
     summary = PlannerSummary(
         settings=settings, sla_target=sla_target, ticks=run.hook.ticks,

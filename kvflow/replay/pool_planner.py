@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvflow.planner.core import PlannerConfig, PlannerState, TickInput, initial_state, on_tick
-from kvflow.planner.interpolation import PerfModel
+from kvflow.planner.interpolation import PerfFamily, PerfModel, PerfSource
 from kvflow.planner.reactive import LiveSignals, on_signals
 from kvflow.replay.planner_eval import (
     interval_aggregates_from_records,
@@ -108,7 +108,7 @@ class PoolPlannerHook:
             ``adjustment_interval_s``, a missing profile, or ``fast_interval_s <= 0``.
     """
 
-    def __init__(self, configs: Mapping[str, PlannerConfig], perf: PerfModel | Mapping[str, PerfModel], *,
+    def __init__(self, configs: Mapping[str, PlannerConfig], perf: PerfSource | Mapping[str, PerfSource], *,
                  fast_interval_s: float | None = 1.0) -> None:
         if not configs:
             raise ValueError("give at least one pool to plan")
@@ -121,7 +121,7 @@ class PoolPlannerHook:
             raise ValueError(f"every pool must share one adjustment_interval_s, got {sorted(intervals)}")
         if fast_interval_s is not None and fast_interval_s <= 0:
             raise ValueError("fast_interval_s must be > 0 (or None)")
-        perfs = {p: perf for p in configs} if isinstance(perf, PerfModel) else dict(perf)
+        perfs = {p: perf for p in configs} if isinstance(perf, (PerfModel, PerfFamily)) else dict(perf)
         missing = set(configs) - set(perfs)
         if missing:
             raise ValueError(f"no profile for pools {sorted(missing)}")
@@ -336,7 +336,7 @@ class PoolPlannerRun:
 
 
 def run_pool_planner(trace: Trace | Sequence[TraceRequest], sim_config: SimConfig,
-                     configs: Mapping[str, PlannerConfig], perf: PerfModel | Mapping[str, PerfModel], *,
+                     configs: Mapping[str, PlannerConfig], perf: PerfSource | Mapping[str, PerfSource], *,
                      initial: Mapping[str, Mapping[WorkerRole, int]], sla_ttft_ms: float, sla_itl_ms: float,
                      fast_interval_s: float | None = 1.0) -> PoolPlannerRun:
     """Simulate ``trace`` with one SLA planner per worker pool.
