@@ -117,7 +117,8 @@ def find_aiperf() -> str | None:
 
 
 def stage_breakdown(bootstrap: str, namespace: str) -> dict:
-    """Per-stage latency percentiles (ms) from the requests and responses topics."""
+    """Per-stage latency percentiles (ms) from the requests and responses topics, and the records
+    each topic of the namespace holds (``topic_records``)."""
     import asyncio
 
     from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -173,7 +174,24 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
         out = {k: {"p50": pct(v, 50), "p99": pct(v, 99), "mean": round(statistics.fmean(v), 1) if v else None}
                for k, v in stages.items()}
         out["responses_records"] = {"deltas": deltas, "finals": finals}
+        out["topic_records"] = await topic_records()
         return out
+
+    async def topic_records() -> dict[str, int]:
+        # Records per topic of the namespace (end offsets summed over partitions): what the broker carried.
+        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        await c.start()
+        try:
+            counts = {}
+            for topic in sorted(await c.topics()):
+                if not topic.startswith(f"{namespace}."):
+                    continue
+                tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or ()]
+                ends = await c.end_offsets(tps) if tps else {}
+                counts[topic.removeprefix(f"{namespace}.")] = sum(ends.values())
+            return {k: v for k, v in counts.items() if v}
+        finally:
+            await c.stop()
 
     return asyncio.run(main())
 

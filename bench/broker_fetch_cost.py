@@ -1,0 +1,126 @@
+"""What a fetch costs the embedded broker, by fetch wait and by the length of the partition's log.
+
+Starts an embedded Tansu broker (memory storage) and measures its CPU time
+(``/proc`` via psutil, user + system) per Kafka request:
+
+1. ``empty_fetch_ms``: a fetch of an idle partition at each ``--waits``
+   fetch max-wait (ms), and the broker's share of one core while a
+   consumer long-polls back to back at that wait;
+2. ``tail_fetch_ms``: produce one record, then fetch it from the tail (the
+   pattern of a reader following a topic), when the partition holds 0, then
+   ``--grow`` records; ``other_partition`` grows a *different* partition of
+   the same topic first, to tell a per-partition cost from a broker-wide one.
+
+psutil's CPU times tick in 10 ms steps, so figures are means over
+``--samples`` requests.
+
+    python bench/broker_fetch_cost.py [--grow 100000] [--samples 200]
+
+Last stdout line: one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import psutil
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from kvflow.streams.broker import EmbeddedBroker
+
+VALUE = json.dumps({"type": "delta", "request_id": "r" * 32, "token_ids": list(range(8)),
+                    "text": "hello world " * 4}).encode()  # the size of a typical coalesced token delta
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of ``proc``."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def empty_fetch(broker: psutil.Process, bootstrap: str, wait_ms: int, samples: int) -> tuple[float, float]:
+    """(broker CPU ms per empty fetch, broker % of one core) for back-to-back fetches of an idle partition."""
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=wait_ms)
+    await c.start()
+    try:
+        tp = TopicPartition("idle", 0)
+        c.assign([tp])
+        await c.seek_to_end(tp)
+        await c.getmany(tp, timeout_ms=2 * wait_ms)
+        c0, t0 = cpu_s(broker), time.monotonic()
+        for _ in range(samples):
+            await c.getmany(tp, timeout_ms=2 * wait_ms)
+        used, wall = cpu_s(broker) - c0, time.monotonic() - t0
+        return round(1000 * used / samples, 3), round(100 * used / wall, 2)
+    finally:
+        await c.stop()
+
+
+async def tail_fetch(broker: psutil.Process, prod: AIOKafkaProducer, cons: AIOKafkaConsumer,
+                     tp: TopicPartition, samples: int) -> float:
+    """Broker CPU ms per fetch that returns the one record just produced to ``tp``."""
+    end = (await cons.end_offsets([tp]))[tp]
+    cons.seek(tp, end)
+    used = 0.0
+    for _ in range(samples):
+        await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
+        c0 = cpu_s(broker)
+        await cons.getmany(tp, timeout_ms=1000)
+        used += cpu_s(broker) - c0
+    return round(1000 * used / samples, 3)
+
+
+async def grow(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> None:
+    """Append ``n`` records to ``tp`` in batches of 500."""
+    for _ in range(n // 500):
+        futures = [await prod.send(tp.topic, VALUE, partition=tp.partition) for _ in range(500)]
+        await asyncio.gather(*futures)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    """Run both measurements; returns the figures."""
+    async with EmbeddedBroker() as b:
+        admin = AIOKafkaAdminClient(bootstrap_servers=b.bootstrap_servers)
+        await admin.start()
+        await admin.create_topics([NewTopic("tail", 2, 1), NewTopic("idle", 1, 1)])
+        await admin.close()
+        broker = psutil.Process(b.process.pid)
+        out: dict = {"empty_fetch_ms": {}, "broker_pct_of_core_long_polling": {}, "tail_fetch_ms": {}}
+        for wait in args.waits:
+            ms, pct = await empty_fetch(broker, b.bootstrap_servers, wait, max(10, args.samples // 10))
+            out["empty_fetch_ms"][wait], out["broker_pct_of_core_long_polling"][wait] = ms, pct
+        prod = AIOKafkaProducer(bootstrap_servers=b.bootstrap_servers, linger_ms=0)
+        cons = AIOKafkaConsumer(bootstrap_servers=b.bootstrap_servers, enable_auto_commit=False,
+                                fetch_max_wait_ms=500)
+        await prod.start()
+        await cons.start()
+        try:
+            mine, other = TopicPartition("tail", 0), TopicPartition("tail", 1)
+            cons.assign([mine])
+            out["tail_fetch_ms"]["empty_log"] = await tail_fetch(broker, prod, cons, mine, args.samples)
+            await grow(prod, other, args.grow)
+            out["tail_fetch_ms"]["other_partition"] = await tail_fetch(broker, prod, cons, mine, args.samples)
+            await grow(prod, mine, args.grow)
+            out["tail_fetch_ms"][f"log_{args.grow}"] = await tail_fetch(broker, prod, cons, mine, args.samples)
+        finally:
+            await prod.stop()
+            await cons.stop()
+        return out
+
+
+def main() -> None:
+    """Parse arguments, run, print the JSON line."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grow", type=int, default=100_000, help="records appended before the second tail measurement")
+    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--waits", type=int, nargs="+", default=[10, 40, 200, 1000], help="fetch max-waits (ms)")
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()
