@@ -182,3 +182,25 @@ async def test_request_never_dispatched_is_answered_at_its_deadline(kafka):
         with contextlib.suppress(asyncio.CancelledError):
             await beating
         await producer.stop()
+
+
+async def test_a_request_past_its_deadline_before_it_starts_counts_once(cluster):
+    # Its deadline can pass between the worker taking the request and the engine getting it, before
+    # the deadline timer fires: the worker answers it without the engine and counts it as expired,
+    # once, whatever deadline cancel comes after.
+    from kvflow.workers.worker import _Inflight
+
+    settings, catalog, worker, client = cluster
+    req = client.new_request(MODEL, prompt="too late", sampling=SamplingParams(max_tokens=LONG),
+                             deadline_ms=now_ms() - 1)
+    before = worker.expired
+    worker.inflight[req.request_id] = _Inflight(req, asyncio.current_task(), now_ms())
+    try:
+        await worker._generate(req, now_ms())
+        assert worker.expired == before + 1
+        assert await worker.cancel(worker._deadline_cancel(req)) is False  # the timer's cancel, late
+        assert worker.expired == before + 1 and worker.aborted == 0
+    finally:
+        worker.inflight.pop(req.request_id, None)
+    final = await read_final(settings, catalog, client.slot, req.request_id, timeout_s=30)
+    assert final.error.code == DEADLINE_EXCEEDED and final.usage.completion_tokens == 0

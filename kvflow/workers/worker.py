@@ -483,11 +483,14 @@ class Worker:
         One already past is answered by :meth:`_generate` without the engine."""
         if request.deadline_ms is None:
             return None
-        record = CancelRequest(request_id=request.request_id, reason=CancelReason.deadline_exceeded,
-                               requested_by=self.config.worker_id, ts_ms=max(0, request.deadline_ms))
+        record = self._deadline_cancel(request)
         loop = asyncio.get_running_loop()
         delay_s = max(0.0, (request.deadline_ms - now_ms()) / 1000)
         return loop.call_later(delay_s, lambda: self._spawn(self.cancel(record)))
+
+    def _deadline_cancel(self, request: InferenceRequest) -> CancelRequest:
+        return CancelRequest(request_id=request.request_id, reason=CancelReason.deadline_exceeded,
+                             requested_by=self.config.worker_id, ts_ms=max(0, request.deadline_ms or 0))
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks weakly.
@@ -632,6 +635,12 @@ class Worker:
 
     async def _generate(self, request: InferenceRequest, received_ms: int) -> None:
         if request.deadline_ms is not None and now_ms() > request.deadline_ms:
+            # Ended by its deadline before its timer fired: counted in ``expired`` here, and
+            # marked so that the timer or a client's deadline cancel does not count it again.
+            item = self.inflight.get(request.request_id)
+            if item is not None and item.cancel is None:
+                item.cancel = self._deadline_cancel(request)
+                self._count_cancel(item.cancel)
             await disagg.release_unpulled(self, request)
             await self._send(request, FinalResponse(
                 request_id=request.request_id, finish_reason=FinishReason.error, worker_id=self.config.worker_id,
