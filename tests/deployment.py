@@ -122,12 +122,16 @@ async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str,
 
     router = build_router_app(settings, catalog, policy=policy)
     await router.app.start()
+    # No worker of an in-process cluster dies before teardown: a long heartbeat TTL keeps a late
+    # heartbeat on a loaded machine from reading as a lost worker (seen: a request answered
+    # no_workers, a worker missing from the router's table mid-test).
+    worker_settings = settings.model_copy(update={"worker_ttl_ms": max(settings.worker_ttl_ms, 60_000)})
     started: list[tuple[Worker, asyncio.Task]] = []
     client = KvflowClient(settings, catalog, timeout_s=client_timeout_s)
     try:
         for i in range(workers):
             engine = MockerEngine(mocker, worker_id=f"w{i}", model_name=model)
-            worker = Worker(settings, WorkerConfig(worker_id=f"w{i}", slot=i, model=model), engine, catalog)
+            worker = Worker(worker_settings, WorkerConfig(worker_id=f"w{i}", slot=i, model=model), engine, catalog)
             started.append((worker, asyncio.create_task(worker.run())))
         await waiter(lambda: len(router.table.workers) == workers, timeout_s=120)  # a loaded machine starts slowly
         await client.start()
