@@ -52,7 +52,10 @@ def window_misses(trace, sim_config, t0_ms: float, t1_ms: float, warmup_ms: floa
     """Requests arriving in ``[t0_ms, t1_ms)`` and, for pools of 1, 2, ... workers, how many miss the SLA.
 
     The list stops once a larger pool no longer lowers the misses (or at
-    ``max_workers``); entry ``i`` is the misses with ``i + 1`` workers.
+    ``max_workers``); entry ``i`` is the misses with ``i + 1`` workers. A
+    window in which every request misses is not a plateau: a burst can
+    swamp 1 and 2 workers alike and still be met by more, so the search
+    goes on until some requests meet the SLA.
     """
     from kvflow.replay.report import meets_sla
     from kvflow.replay.simulator import Simulation
@@ -69,7 +72,7 @@ def window_misses(trace, sim_config, t0_ms: float, t1_ms: float, warmup_ms: floa
     for n in range(1, max_workers + 1):
         res = Simulation(sub, replace(sim_config, workers=n)).run()
         misses.append(sum(1 for x in res.records if x.request_id in scored and not meets_sla(x, ttft_ms, itl_ms)))
-        if misses[-1] == 0 or (len(misses) >= 2 and misses[-1] >= misses[-2]):
+        if misses[-1] == 0 or (len(misses) >= 2 and len(scored) > misses[-1] >= misses[-2]):
             break
     return len(scored), misses
 
