@@ -1,4 +1,4 @@
-"""What a fetch costs the embedded broker, by fetch wait and by the length of the partition's log.
+"""What a fetch costs the embedded broker (by wait and by stored batches) and how late its long poll delivers.
 
 Starts an embedded Tansu broker (memory storage) and measures its CPU time
 (``/proc`` via psutil, user + system) per Kafka request:
@@ -9,7 +9,17 @@ Starts an embedded Tansu broker (memory storage) and measures its CPU time
 2. ``tail_fetch_ms``: produce one record, then fetch it from the tail (the
    pattern of a reader following a topic), when the partition holds 0, then
    ``--grow`` records; ``other_partition`` grows a *different* partition of
-   the same topic first, to tell a per-partition cost from a broker-wide one.
+   the same topic first, to tell a per-partition cost from a broker-wide one;
+   ``single_batches_N`` grows a third partition by ``--grow-single`` records
+   sent one produce request (so one batch) each, to tell a cost per stored
+   batch from a cost per record (the broker's memory store keeps each
+   produced batch as one object and lists a partition's objects on every
+   fetch that returns data);
+3. ``long_poll_latency_ms``: for each ``--waits`` fetch max-wait, a consumer
+   tails an idle partition while single records are produced at random
+   gaps (50-150 ms); the p50 and largest time from produce to the record in
+   the consumer's hands (the broker re-checks a parked fetch on a halving
+   timer, so a record waits for the next check).
 
 psutil's CPU times tick in 10 ms steps, so figures are means over
 ``--samples`` requests.
@@ -74,6 +84,32 @@ async def tail_fetch(broker: psutil.Process, prod: AIOKafkaProducer, cons: AIOKa
     return round(1000 * used / samples, 3)
 
 
+async def long_poll_latency(bootstrap: str, prod: AIOKafkaProducer, tp: TopicPartition, wait_ms: int,
+                            samples: int) -> dict:
+    """p50 and max ms from produce to delivery for a consumer long-polling ``tp`` with ``wait_ms``."""
+    import random
+
+    cons = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=wait_ms)
+    await cons.start()
+    try:
+        cons.assign([tp])
+        await cons.seek_to_end(tp)
+        await cons.getmany(tp, timeout_ms=2 * wait_ms)
+        rng = random.Random(0)
+        latencies = []
+        for _ in range(samples):
+            await asyncio.sleep(rng.uniform(0.05, 0.15))
+            sent = time.monotonic()
+            await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
+            while not (await cons.getmany(tp, timeout_ms=5 * wait_ms + 1000)):
+                pass
+            latencies.append(1000 * (time.monotonic() - sent))
+        latencies.sort()
+        return {"p50": round(latencies[len(latencies) // 2], 1), "max": round(latencies[-1], 1)}
+    finally:
+        await cons.stop()
+
+
 async def grow(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> None:
     """Append ``n`` records to ``tp`` in batches of 500."""
     for _ in range(n // 500):
@@ -81,15 +117,22 @@ async def grow(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> None:
         await asyncio.gather(*futures)
 
 
+async def grow_single(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> None:
+    """Append ``n`` records to ``tp``, each in its own produce request (one batch per record)."""
+    for _ in range(n):
+        await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
+
+
 async def run(args: argparse.Namespace) -> dict:
     """Run both measurements; returns the figures."""
     async with EmbeddedBroker() as b:
         admin = AIOKafkaAdminClient(bootstrap_servers=b.bootstrap_servers)
         await admin.start()
-        await admin.create_topics([NewTopic("tail", 2, 1), NewTopic("idle", 1, 1)])
+        await admin.create_topics([NewTopic("tail", 3, 1), NewTopic("idle", 1, 1), NewTopic("poll", 1, 1)])
         await admin.close()
         broker = psutil.Process(b.process.pid)
-        out: dict = {"empty_fetch_ms": {}, "broker_pct_of_core_long_polling": {}, "tail_fetch_ms": {}}
+        out: dict = {"empty_fetch_ms": {}, "broker_pct_of_core_long_polling": {}, "tail_fetch_ms": {},
+                     "long_poll_latency_ms": {}}
         for wait in args.waits:
             ms, pct = await empty_fetch(broker, b.bootstrap_servers, wait, max(10, args.samples // 10))
             out["empty_fetch_ms"][wait], out["broker_pct_of_core_long_polling"][wait] = ms, pct
@@ -99,6 +142,9 @@ async def run(args: argparse.Namespace) -> dict:
         await prod.start()
         await cons.start()
         try:
+            for wait in args.waits:
+                out["long_poll_latency_ms"][wait] = await long_poll_latency(
+                    b.bootstrap_servers, prod, TopicPartition("poll", 0), wait, max(20, args.samples // 4))
             mine, other = TopicPartition("tail", 0), TopicPartition("tail", 1)
             cons.assign([mine])
             out["tail_fetch_ms"]["empty_log"] = await tail_fetch(broker, prod, cons, mine, args.samples)
@@ -106,6 +152,12 @@ async def run(args: argparse.Namespace) -> dict:
             out["tail_fetch_ms"]["other_partition"] = await tail_fetch(broker, prod, cons, mine, args.samples)
             await grow(prod, mine, args.grow)
             out["tail_fetch_ms"][f"log_{args.grow}"] = await tail_fetch(broker, prod, cons, mine, args.samples)
+            if args.grow_single:
+                single = TopicPartition("tail", 2)
+                await grow_single(prod, single, args.grow_single)
+                cons.assign([single])
+                out["tail_fetch_ms"][f"single_batches_{args.grow_single}"] = await tail_fetch(
+                    broker, prod, cons, single, args.samples)
         finally:
             await prod.stop()
             await cons.stop()
@@ -116,6 +168,8 @@ def main() -> None:
     """Parse arguments, run, print the JSON line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grow", type=int, default=100_000, help="records appended before the second tail measurement")
+    ap.add_argument("--grow-single", type=int, default=10_000,
+                    help="records appended one batch each before the third tail measurement (0: skip)")
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--waits", type=int, nargs="+", default=[10, 40, 200, 1000], help="fetch max-waits (ms)")
     args = ap.parse_args()
