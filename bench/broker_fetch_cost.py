@@ -17,7 +17,7 @@ Starts an embedded Tansu broker (memory storage) and measures its CPU time
    fetch that returns data);
 3. ``long_poll_latency_ms``: for each ``--waits`` fetch max-wait, a consumer
    tails an idle partition while single records are produced at random
-   gaps (50-150 ms); the p50 and largest time from produce to the record in
+   gaps (uniform in 0..wait, so they land anywhere in a parked fetch); the p50 and largest time from produce to the record in
    the consumer's hands (the broker re-checks a parked fetch on a halving
    timer, so a record waits for the next check).
 
@@ -98,7 +98,7 @@ async def long_poll_latency(bootstrap: str, prod: AIOKafkaProducer, tp: TopicPar
         rng = random.Random(0)
         latencies = []
         for _ in range(samples):
-            await asyncio.sleep(rng.uniform(0.05, 0.15))
+            await asyncio.sleep(rng.uniform(0.0, wait_ms / 1000))  # lands anywhere in the parked fetch
             sent = time.monotonic()
             await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
             while not (await cons.getmany(tp, timeout_ms=5 * wait_ms + 1000)):
