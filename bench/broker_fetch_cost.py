@@ -17,9 +17,10 @@ Starts an embedded Tansu broker (memory storage) and measures its CPU time
    fetch that returns data);
 3. ``long_poll_latency_ms``: for each ``--waits`` fetch max-wait, a consumer
    tails an idle partition while single records are produced at random
-   gaps (uniform in 0..wait, so they land anywhere in a parked fetch); the p50 and largest time from produce to the record in
-   the consumer's hands (the broker re-checks a parked fetch on a halving
-   timer, so a record waits for the next check).
+   gaps (uniform in 0..wait, so they land anywhere in a parked fetch); the
+   p50 and largest time from produce to the record in the consumer's hands
+   (the broker re-checks a parked fetch on a halving timer, so a record
+   waits for the next check).
 
 psutil's CPU times tick in 10 ms steps, so figures are means over
 ``--samples`` requests.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 
 import psutil
@@ -87,8 +89,6 @@ async def tail_fetch(broker: psutil.Process, prod: AIOKafkaProducer, cons: AIOKa
 async def long_poll_latency(bootstrap: str, prod: AIOKafkaProducer, tp: TopicPartition, wait_ms: int,
                             samples: int) -> dict:
     """p50 and max ms from produce to delivery for a consumer long-polling ``tp`` with ``wait_ms``."""
-    import random
-
     cons = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=wait_ms)
     await cons.start()
     try:
@@ -124,7 +124,7 @@ async def grow_single(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> Non
 
 
 async def run(args: argparse.Namespace) -> dict:
-    """Run both measurements; returns the figures."""
+    """Run the three measurements; returns the figures."""
     async with EmbeddedBroker() as b:
         admin = AIOKafkaAdminClient(bootstrap_servers=b.bootstrap_servers)
         await admin.start()
