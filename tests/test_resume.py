@@ -36,8 +36,6 @@ BRIDGE_SLOT = 7
 async def cluster(kafka, waiter):
     """``(settings, catalog, [w0, w1], client)`` behind a round-robin router."""
     settings, catalog = kafka
-    # No worker dies here: a long TTL keeps a loaded machine's late heartbeat from reading as one.
-    settings = settings.model_copy(update={"worker_ttl_ms": 60_000})
     mocker = MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=4096)
     async with in_process_cluster(settings, catalog, waiter, model=MODEL, mocker=mocker,
                                   client_timeout_s=30) as (_, workers, client):
