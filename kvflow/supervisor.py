@@ -34,7 +34,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from kvflow.schemas import IMAGE_ROLES, WorkerRole, now_ms
+from kvflow.schemas import IMAGE_ROLES, WorkerRole, WorkerStatus, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.broker import EmbeddedBroker, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
@@ -188,10 +188,22 @@ class Supervisor:
             metrics_port = free_port()
             args += ["--metrics-port", str(metrics_port), "--metrics-host", self.settings.metrics_host]
             metrics_url = f"http://{self.settings.metrics_host}:{metrics_port}/metrics"
-        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
+                                                    env=self._worker_env())
         self.children[worker_id] = _Child(worker_id, role, slot, proc, metrics_url)
         log.info("started worker %s (pid %d, slot %d)", worker_id, proc.pid, slot)
         return worker_id
+
+    def _worker_env(self) -> dict[str, str]:
+        """This process's environment plus the heartbeat timing the router was built
+        with: a worker must beat as often, and announce the TTL, that this deployment's
+        settings say, whether they came from the environment or from code."""
+        env = dict(os.environ)
+        env["KVFLOW_HEARTBEAT_INTERVAL_MS"] = str(self.settings.heartbeat_interval_ms)
+        env["KVFLOW_WORKER_TTL_MS"] = str(self.settings.worker_ttl_ms)
+        if self.settings.heartbeat_idle_ms is not None:
+            env["KVFLOW_HEARTBEAT_IDLE_MS"] = str(self.settings.heartbeat_idle_ms)
+        return env
 
     async def stop_worker(self, worker_id: str, timeout_s: float = 90.0) -> None:
         """Drain one worker (SIGTERM → it finishes in-flight work) and reap it."""
@@ -233,20 +245,24 @@ class Supervisor:
             await asyncio.gather(*(self.stop_worker(w) for w in victims))
 
     async def wait_workers_ready(self, count: int, timeout_s: float = 300.0) -> None:
-        """Wait until ``count`` workers appear in the router's table.
+        """Wait until ``count`` workers are serving in the router's table (a draining
+        or sleeping worker does not count).
 
         Raises:
             TimeoutError: they did not register in time.
             RuntimeError: a worker process exited during start-up.
         """
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(self.router.table.workers) < count:
+        while self._serving() < count:
             for child in self.children.values():
                 if child.process.returncode is not None:
                     raise RuntimeError(f"worker {child.worker_id} exited with code {child.process.returncode}")
             if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"only {len(self.router.table.workers)}/{count} workers registered")
+                raise TimeoutError(f"only {self._serving()}/{count} workers serving")
             await asyncio.sleep(0.1)
+
+    def _serving(self) -> int:
+        return sum(w.status == WorkerStatus.serving for w in self.router.table.workers.values())
 
     async def start_planner(self, config, profile, *, model: str | None = None,
                             data_dir: str | None = None, shadow: bool = False) -> None:

@@ -48,10 +48,34 @@ async def wait_models(url: str, models: list[str], timeout_s: float = 60.0) -> N
             await asyncio.sleep(0.1)
 
 
+STEADY_WORKER_TTL_MS = 60_000
+"""Heartbeat TTL of workers in a test that kills none before teardown: a heartbeat
+late by seconds on a loaded machine must not read as a lost worker (seen: requests
+answered ``no_workers``, a worker missing from the router's table mid-test)."""
+
+
+KILLED_WORKER_TTL_MS = 5_000
+"""Heartbeat TTL of workers in a test that SIGKILLs some: a loss is seen within
+seconds, as at the default ``worker_ttl_ms``."""
+
+
+def steady(settings: Settings) -> Settings:
+    """``settings`` with the workers' heartbeat TTL raised to :data:`STEADY_WORKER_TTL_MS`."""
+    return settings.model_copy(update={"worker_ttl_ms": max(settings.worker_ttl_ms, STEADY_WORKER_TTL_MS)})
+
+
 @contextlib.asynccontextmanager
 async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int, *, bridge: bool = True,
-                             ready_timeout_s: float = 60.0) -> AsyncIterator[Supervisor]:
-    """Router, ``workers`` aggregated worker processes and (optionally) the bridge on ``settings``' broker."""
+                             ready_timeout_s: float = 60.0,
+                             worker_ttl_ms: int | None = STEADY_WORKER_TTL_MS) -> AsyncIterator[Supervisor]:
+    """Router, ``workers`` aggregated worker processes and (optionally) the bridge on ``settings``' broker.
+
+    The worker processes beat at ``settings``' heartbeat interval and announce
+    ``worker_ttl_ms`` (``None``: ``settings``' own); a test that kills workers
+    passes the TTL it means to detect the loss at.
+    """
+    if worker_ttl_ms is not None:
+        settings = settings.model_copy(update={"worker_ttl_ms": worker_ttl_ms})
     sup = Supervisor(settings, spec, port=free_port(), bridge=bridge)
     await sup.start()
     try:
@@ -122,10 +146,7 @@ async def in_process_cluster(settings: Settings, catalog, waiter, *, model: str,
 
     router = build_router_app(settings, catalog, policy=policy)
     await router.app.start()
-    # No worker of an in-process cluster dies before teardown: a long heartbeat TTL keeps a late
-    # heartbeat on a loaded machine from reading as a lost worker (seen: a request answered
-    # no_workers, a worker missing from the router's table mid-test).
-    worker_settings = settings.model_copy(update={"worker_ttl_ms": max(settings.worker_ttl_ms, 60_000)})
+    worker_settings = steady(settings)  # no worker of an in-process cluster dies before teardown
     started: list[tuple[Worker, asyncio.Task]] = []
     client = KvflowClient(settings, catalog, timeout_s=client_timeout_s)
     try:

@@ -17,7 +17,7 @@ from kvflow.schemas import FinalResponse, SamplingParams, TokenDelta
 from kvflow.streams.client import KvflowClient
 from kvflow.supervisor import WorkerSpec
 
-from deployment import running_deployment
+from deployment import KILLED_WORKER_TTL_MS, running_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,8 @@ async def chaos(sup, stop: asyncio.Event, kills: list[str]) -> None:
 async def test_no_request_is_lost_truncated_or_duplicated_while_workers_die(kafka):
     settings, _ = kafka
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "2"])
-    async with running_deployment(settings, spec, workers=3, bridge=False, ready_timeout_s=120) as sup:
+    async with running_deployment(settings, spec, workers=3, bridge=False, ready_timeout_s=120,
+                                  worker_ttl_ms=KILLED_WORKER_TTL_MS) as sup:
         async with KvflowClient(sup.settings, sup.catalog, timeout_s=180) as client:
             reqs = requests(client)
             clean = await run_all(client, reqs, pace_s=0.0)

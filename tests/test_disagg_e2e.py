@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from aiokafka import TopicPartition
-from deployment import read_final
+from deployment import read_final, steady
 
 from kvflow.router.core import Arrival, RouterCore
 from kvflow.router.disagg import DisaggConfig, Placement, routed_record
@@ -360,7 +360,7 @@ async def test_smollm2_disaggregated_matches_aggregated_through_the_bridge(broke
     settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True,
                         namespace=f"dg{uuid.uuid4().hex[:8]}", session_timeout_ms=2000)
     await create_topics(settings, Catalog(settings.namespace))
-    sup = Supervisor(settings, WorkerSpec(engine="hf", model=SMOL), port=free_port())
+    sup = Supervisor(steady(settings), WorkerSpec(engine="hf", model=SMOL), port=free_port())
     await sup.start()
     try:
         async with httpx.AsyncClient(base_url=sup.url, timeout=300) as http:

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from deployment import wait_bridge_healthy, wait_models
+from deployment import steady, wait_bridge_healthy, wait_models
 from kvflow.models.embedding import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 from aiokafka import TopicPartition
 
@@ -104,7 +104,7 @@ async def _dead_letters(settings, catalog, topic: str, timeout_s: float = 30.0) 
 @pytest.fixture
 async def deployment(kafka):
     settings, _ = kafka
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model="mock-gen"), port=free_port())
+    sup = Supervisor(steady(settings), WorkerSpec(engine="mocker", model="mock-gen"), port=free_port())
     await sup.start()
     try:
         await sup.start_worker(WorkerRole.embedding)

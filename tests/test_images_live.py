@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 pytest.importorskip("diffusers")
 
-from deployment import wait_bridge_healthy, wait_models  # noqa: E402
+from deployment import steady, wait_bridge_healthy, wait_models  # noqa: E402
 from test_images import pixels  # noqa: E402
 
 from kvflow.cli import app  # noqa: E402
@@ -48,7 +48,7 @@ async def deployment(kafka):
     """Router and bridge in this process, one worker process per image stage (what
     `kvflow up --workers 0 --image-workers 1` starts), on the test's broker."""
     settings, _ = kafka
-    sup = Supervisor(settings, WorkerSpec(image_model=TINY_IMAGE_MODEL), port=free_port())
+    sup = Supervisor(steady(settings), WorkerSpec(image_model=TINY_IMAGE_MODEL), port=free_port())
     await sup.start()
     try:
         await sup.start_worker(WorkerRole.conditioning)

@@ -27,7 +27,7 @@ from kvflow.schemas import (
 from kvflow.streams.broker import free_port
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.supervisor import Supervisor, WorkerSpec
-from deployment import wait_bridge_healthy
+from deployment import steady, wait_bridge_healthy
 
 BS = 16
 MODEL = "m"
@@ -215,7 +215,7 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
     settings = settings.model_copy(update={"routing_policy": "kv"})
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "1", "--block-size", str(BS),
                                                                 "--num-kv-blocks", "4096"])
-    sup = Supervisor(settings, spec, port=free_port())
+    sup = Supervisor(steady(settings), spec, port=free_port())
     await sup.start()
     try:
         for _ in range(2):

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from deployment import in_process_cluster, serve_app, serve_bridge
+from deployment import STEADY_WORKER_TTL_MS, in_process_cluster, serve_app, serve_bridge, steady
 from kvflow.schemas import DeadLetter, FinalResponse, SamplingParams, WorkerRole, decode
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.workers.encode_worker import EncodeWorker, EncodeWorkerConfig
@@ -156,13 +156,15 @@ async def test_kvflow_up_runs_encode_workers(kafka):
     from kvflow.supervisor import Supervisor, WorkerSpec
 
     settings, _ = kafka
-    sup = Supervisor(settings.model_copy(update={"metrics_port": 0}), WorkerSpec(engine="mocker", model=MODEL),
+    sup = Supervisor(steady(settings).model_copy(update={"metrics_port": 0}), WorkerSpec(engine="mocker", model=MODEL),
                      port=free_port())
     await sup.start()
     try:
         await sup.start_worker(WorkerRole.aggregated)
         await sup.start_worker(WorkerRole.encode)
         await sup.wait_workers_ready(2, timeout_s=120)
+        # The worker processes announce the TTL this test's settings give, not their own default.
+        assert all(w.ttl_ms >= STEADY_WORKER_TTL_MS for w in sup.router.table.workers.values())
         await wait_bridge_healthy(sup.url)
         image = "data:image/png;base64," + base64.b64encode(_png((0, 200, 0))).decode()
         async with httpx.AsyncClient(timeout=120) as http:

@@ -8,6 +8,7 @@ import pytest
 from kvflow.replay import run_offline, run_online_async
 from kvflow.schemas import WorkerRole
 from kvflow.supervisor import Supervisor, WorkerSpec
+from deployment import steady
 
 pytestmark = pytest.mark.slow
 TRACE = Path(__file__).resolve().parents[1] / "examples" / "traces" / "mooncake_conversation_first40min.jsonl"
@@ -17,7 +18,7 @@ MODEL = "mocker-replay"
 async def test_online_replay_matches_offline_hit_rate(kafka):
     settings, catalog = kafka
     settings = settings.model_copy(update={"routing_policy": "round_robin"})
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "4"]),
+    sup = Supervisor(steady(settings), WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "4"]),
                      bridge=False)
     await sup.start()
     try:

@@ -14,7 +14,7 @@ from kvflow.schemas import FinalResponse, FinishReason, ReplyTo, SamplingParams,
 from kvflow.streams.client import KvflowClient
 from kvflow.supervisor import WorkerSpec
 
-from deployment import running_deployment
+from deployment import KILLED_WORKER_TTL_MS, running_deployment
 
 MODEL = "SmolLM2-135M-Instruct"
 R = ReplyTo(topic="responses", partition=3)
@@ -60,7 +60,8 @@ async def test_without_migration_a_killed_workers_request_ends_worker_lost(kafka
     settings = settings.model_copy(update={"max_migrations": 0})
     # Slow decode (speedup 0.05): the request is still streaming when its worker is killed.
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "0.05"])
-    async with running_deployment(settings, spec, workers=1, bridge=False) as sup:
+    async with running_deployment(settings, spec, workers=1, bridge=False,
+                                  worker_ttl_ms=KILLED_WORKER_TTL_MS) as sup:
         async with KvflowClient(sup.settings, sup.catalog, timeout_s=120) as client:
             req = client.new_request(MODEL, prompt="tell me a long story", sampling=SamplingParams(max_tokens=4000))
             _, final = await stream_killing_the_worker(sup, client, req)
@@ -79,7 +80,8 @@ async def test_without_migration_a_killed_workers_request_ends_worker_lost(kafka
 async def test_a_killed_workers_request_migrates_and_matches_an_uninterrupted_run(kafka):
     settings, _ = kafka
     spec = WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio", "0.2"])
-    async with running_deployment(settings, spec, workers=2, bridge=False) as sup:
+    async with running_deployment(settings, spec, workers=2, bridge=False,
+                                  worker_ttl_ms=KILLED_WORKER_TTL_MS) as sup:
         async with KvflowClient(sup.settings, sup.catalog, timeout_s=120) as client:
             req = client.new_request(MODEL, prompt="tell me a long story", token_ids=list(range(1, 300)),
                                      sampling=SamplingParams(max_tokens=300))
