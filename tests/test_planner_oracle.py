@@ -40,3 +40,12 @@ def test_cheapest_schedule_spends_the_budget_where_a_worker_costs_fewest_misses(
 @pytest.mark.parametrize("pools, hours", [([2, 2, 1], (2 * 60 + 2 * 60 + 1 * 30) / 3600)])
 def test_schedule_hours_counts_the_last_window_up_to_the_trace_end(pools, hours):
     assert oracle.schedule_hours(pools, 60_000.0, 150_000.0) == pytest.approx(hours)
+
+
+def test_the_pool_search_stops_at_a_plateau_only_once_most_requests_meet_the_sla():
+    assert oracle.search_done([5, 0], 100)
+    assert oracle.search_done([40, 3, 3], 100)  # a worker more lowered nothing: some prompts miss on any pool
+    assert not oracle.search_done([40, 3], 100)
+    # 3 and 4 workers both swamped by a burst: more workers may still meet it
+    assert not oracle.search_done([662, 662, 658, 658], 662)
+    assert not oracle.search_done([100, 100], 100)
