@@ -14,7 +14,9 @@ Starts an embedded Tansu broker (memory storage) and measures its CPU time
    sent one produce request (so one batch) each, to tell a cost per stored
    batch from a cost per record (the broker's memory store keeps each
    produced batch as one object and lists a partition's objects on every
-   fetch that returns data);
+   fetch that returns data); ``recreated_topic`` measures that partition
+   again after the topic was deleted and created anew (the broker refuses
+   DeleteRecords, but a deleted topic's batches go with it);
 3. ``long_poll_latency_ms``: for each ``--waits`` fetch max-wait, a consumer
    tails an idle partition while single records are produced at random
    gaps (uniform in 0..wait, so they land anywhere in a parked fetch); the
@@ -123,6 +125,17 @@ async def grow_single(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> Non
         await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
 
 
+async def recreate_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """Delete ``topic`` and create it again, empty, with ``partitions`` partitions."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
+
+
 async def run(args: argparse.Namespace) -> dict:
     """Run the three measurements; returns the figures."""
     async with EmbeddedBroker() as b:
@@ -158,6 +171,9 @@ async def run(args: argparse.Namespace) -> dict:
                 cons.assign([single])
                 out["tail_fetch_ms"][f"single_batches_{args.grow_single}"] = await tail_fetch(
                     broker, prod, cons, single, args.samples)
+                await recreate_topic(b.bootstrap_servers, "tail", 3)
+                cons.assign([single])
+                out["tail_fetch_ms"]["recreated_topic"] = await tail_fetch(broker, prod, cons, single, args.samples)
         finally:
             await prod.stop()
             await cons.stop()
