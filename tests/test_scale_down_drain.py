@@ -17,7 +17,8 @@ from kvflow.supervisor import Supervisor, WorkerSpec
 
 MODEL = "mock-model"
 AGG = WorkerRole.aggregated
-NUM_REQUESTS = 80
+MAX_BEFORE = 80  # requests sent at most before the scale-down (sending pauses there until it is published)
+AFTER = 40  # requests sent after it
 GAP_S = 0.04  # 25 requests/s
 MAX_TOKENS = 40  # about 0.3 s of mocker decode at speedup 1: many requests are in flight at any time
 
@@ -51,20 +52,42 @@ async def test_scale_down_under_load_loses_no_request(kafka, two_workers, waiter
     await producer.start()
 
     async def one(i: int):
-        await asyncio.sleep(i * GAP_S)
         req = client.new_request(MODEL, prompt=f"request {i} " + "x" * (i % 7) * 40,
                                  sampling=SamplingParams(max_tokens=MAX_TOKENS))
         return await client.complete(req)
 
+    tasks: list[asyncio.Task] = []
+    drained = asyncio.Event()
+
+    async def send() -> None:
+        """One request per GAP_S until AFTER went out after the scale-down."""
+        after = 0
+        while after < AFTER:
+            if len(tasks) >= MAX_BEFORE:
+                await drained.wait()
+            tasks.append(asyncio.create_task(one(len(tasks))))
+            after += drained.is_set()
+            await asyncio.sleep(GAP_S)
+
+    def victim_busy() -> bool:  # requests the victim admitted and has not finished, as the router sees them
+        view = sup.router.table.inflight.workers.get(victim_id)
+        return view is not None and len(view.admitted) >= 2
+
+    sender = asyncio.create_task(send())
     try:
-        tasks = [asyncio.create_task(one(i)) for i in range(NUM_REQUESTS)]
-        await asyncio.sleep(NUM_REQUESTS * GAP_S / 2)
+        # Scale down while the victim holds requests (a loaded machine can take seconds to get there).
+        await waiter(victim_busy, timeout_s=120)
         drain_ms = now_ms()
         await publish_command(producer, catalog, ScalingCommand(
             decision_id="scale-down", pool=AGG, target_replicas=1, current_replicas=2, ts_ms=drain_ms))
+        drained.set()
+        await sender
         finals = await asyncio.gather(*tasks)
         await waiter(lambda: len(service.applied) == 1, timeout_s=30)
     finally:
+        sender.cancel()
+        for task in tasks:
+            task.cancel()
         await producer.stop()
         await client.stop()
         await service.stop()
