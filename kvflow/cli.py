@@ -373,7 +373,8 @@ def bridge_cmd(
     listen_port: Annotated[int, typer.Option(help="HTTP port this bridge serves on.")] = 8001,
     host: Annotated[str, typer.Option(help="Address this bridge listens on.")] = "127.0.0.1",
     slot: Annotated[Optional[int], typer.Option(
-        min=0, help="Responses partition this bridge reads (give each replica its own); unset: random.")] = None,
+        min=0, envvar="KVFLOW_BRIDGE_SLOT",
+        help="Responses partition this bridge reads (give each replica its own); unset: random.")] = None,
     api_keys_file: Annotated[Optional[Path], typer.Option(
         exists=True, dir_okay=False, readable=True,
         help="API keys, one per line (also KVFLOW_API_KEYS). [env: KVFLOW_API_KEYS_FILE]")] = None,
@@ -404,6 +405,63 @@ def bridge_cmd(
         raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
     uvicorn.run(app, host=host, port=listen_port, log_level="info" if verbose else "warning", lifespan="on",
                 timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)
+
+
+@app.command("router")
+@option_groups
+def router_cmd(
+    policy: PolicyOpt = None,
+    shed: ShedOptions = ShedOptions(),
+    disagg_threshold_tokens: DisaggThresholdOpt = None,
+    disagg_max_prefill_queue: DisaggMaxPrefillQueueOpt = None,
+    router_id: Annotated[Optional[str], typer.Option(
+        envvar="KVFLOW_ROUTER_ID", help="This replica's id (decision records, metrics); unset: generated.")] = None,
+    group: Annotated[Optional[str], typer.Option(
+        envvar="KVFLOW_ROUTER_GROUP", help="Consumer group the replicas share (they split the requests topic); unset: <namespace>-router, "
+             "the group of `kvflow up`'s own router.")] = None,
+    create_topics: Annotated[bool, typer.Option(
+        help="Create the deployment's topics that do not exist yet (on a real cluster with "
+             "KVFLOW_TOPIC_REPLICATION_FACTOR replicas).")] = True,
+    join: JoinOptions = JoinOptions(),
+    embedded_broker: Annotated[Optional[bool], typer.Option(
+        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        min=0, max=65535, help="Serve this replica's Prometheus /metrics on this port (0: a free one; unset: "
+                               "none). [env: KVFLOW_METRICS_PORT]")] = None,
+    metrics_host: Annotated[Optional[str], typer.Option(
+        help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")] = None,
+    verbose: bool = False,
+) -> None:
+    """Run one router replica in front of a running deployment's workers.
+
+    Replicas in one --group split the requests topic; each folds the whole
+    workers, KV-events and inflight topics, so all decide alike. SIGINT or
+    SIGTERM stops it: it leaves the group and puts the requests it held
+    back on the requests topic for the other replicas.
+    """
+    from kvflow.router.serve import serve_router
+    from kvflow.streams.tracing import setup_tracing
+
+    _logging(verbose)
+    settings = join.settings(embedded_broker=embedded_broker, routing_policy=policy, **shed.given(),
+                             disagg_prefill_threshold_tokens=disagg_threshold_tokens,
+                             disagg_max_prefill_queue_per_worker=disagg_max_prefill_queue,
+                             metrics_port=metrics_port, metrics_host=metrics_host)
+    check_policy(settings.routing_policy)
+    from kvflow.router.shedding import ShedConfig
+
+    try:
+        ShedConfig.from_settings(settings)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--shed-cold-start-hold-s") from exc
+    setup_tracing(settings, "kvflow-router")
+
+    def ready(router, metrics_url: str | None) -> None:
+        typer.echo(f"router {router.router_id} (policy {router.policy}) routing {router.catalog.requests.name} "
+                   f"on {settings.bootstrap_servers}" + (f"; metrics: {metrics_url}" if metrics_url else ""))
+
+    asyncio.run(serve_router(settings, router_id=router_id, group=group, ensure_topics=create_topics,
+                             on_ready=ready))
 
 
 @app.command()

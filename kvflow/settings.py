@@ -154,6 +154,12 @@ class Settings(BaseSettings):
     at ~100k tokens). On a real cluster, topics kvflow creates get this as
     ``max.message.bytes``. Defaults to 16 MiB."""
 
+    topic_replication_factor: int = Field(default=1, ge=1)
+    """Replicas of each topic kvflow creates on a real cluster (set 3 on a
+    production cluster, so one lost broker loses no request); the embedded
+    broker has one node and always gets 1. Topics that exist are left as
+    they are. Defaults to 1."""
+
     producer_linger_ms: int = Field(default=0, ge=0)
     """How long a producer holds a batch for more records before sending it
     (aiokafka ``linger_ms``): records for several partitions then share one

@@ -288,3 +288,14 @@ def test_arrival_of_a_request_shares_its_token_ids():
 def test_unknown_policy_is_refused():
     with pytest.raises(KeyError):
         RouterCore("nope")
+
+
+def test_take_held_empties_the_queue_in_release_order():
+    core = core_with(shed=ShedConfig(mode="queue", cold_start_hold_ms=60_000))
+    for i in range(3):
+        assert core.route(arrival(f"h{i}"), 1_000 + i).outcome is DecisionOutcome.queued
+    taken = core.take_held()
+    assert [a.request_id for a in taken] == ["h0", "h1", "h2"]
+    assert not core.queue and core.held(2_000) == (0, 0) and core.counters["handed_back"] == 3
+    assert core.tick(70_000) == []  # nothing left to drop at the hold's end
+    assert core_with().take_held() == []  # reject mode holds nothing

@@ -284,7 +284,7 @@ Effect = Union[Decision, WorkerExpired, KvDumpNeeded, Cancelled]
 
 COUNTERS = ("routed", "queued", "shed", "rejected", "released", "queue_timeouts", "queue_cancelled",
             "kv_batches", "kv_gaps", "kv_mismatch", "inflight_records", "workers_expired", "displaced",
-            "jumped", "session_hits", "pool_fallbacks", "cold_held")
+            "jumped", "session_hits", "pool_fallbacks", "cold_held", "handed_back")
 """The keys of :attr:`RouterCore.counters` the core maintains: decisions by outcome (``shed``
 includes ``queue_timeouts``, held requests dropped at their deadline), held requests
 ``released`` and ``queue_cancelled``, KV batches folded, skipped (``kv_gaps``) and refused
@@ -293,7 +293,8 @@ held requests ``displaced`` by a higher-ranked arrival (also in ``shed``) and ar
 ``jumped`` a queue of lower classes; routed requests sent to their session's worker
 (``session_hits``); with a pool grid, requests whose decode pool had no worker and went to any
 pool (``pool_fallbacks``); arrivals held because no worker served their model
-(``cold_held``, also in ``queued``; ``cold_start_hold_ms``)."""
+(``cold_held``, also in ``queued``; ``cold_start_hold_ms``); held requests a stopping
+replica ``handed_back`` to the others (:meth:`RouterCore.take_held`)."""
 
 
 class RouterCore:
@@ -436,6 +437,19 @@ class RouterCore:
         self._held_ms.pop(request_id, None)
         self._cold.discard(request_id)
         return [Cancelled(a) for a in gone]
+
+    def take_held(self) -> list[Arrival]:
+        """Empty the queue of held requests and return them, in release order
+        (a stopping replica hands them to the others; see :mod:`kvflow.router.serve`).
+        Counted in ``handed_back``; an empty list outside ``queue`` mode."""
+        queue = self.queue
+        taken: list[Arrival] = []
+        while queue:
+            taken.append(queue.pop())
+        self._held_ms.clear()
+        self._cold.clear()
+        self.counters["handed_back"] += len(taken)
+        return taken
 
     # ---- decisions -----------------------------------------------------------
 

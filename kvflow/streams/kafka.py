@@ -141,7 +141,8 @@ async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:
     """Create every catalog topic that does not exist yet; returns those created.
 
     Existing topics are left as they are (their partition counts must match
-    the catalog; a mismatch is logged as an error).
+    the catalog; a mismatch is logged as an error). On a real cluster new
+    topics get ``settings.topic_replication_factor`` replicas.
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap(settings), client_id="kvflow-admin",
                                 **client_security(settings))
@@ -149,7 +150,7 @@ async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:
     try:
         existing = set(await admin.list_topics())
         wanted = [
-            NewTopic(t.name, t.partitions, 1,
+            NewTopic(t.name, t.partitions, 1 if settings.embedded_broker else settings.topic_replication_factor,
                      topic_configs={} if settings.embedded_broker else
                      {"cleanup.policy": t.cleanup_policy, "retention.ms": str(t.retention_ms),
                       "max.message.bytes": str(settings.max_record_bytes)})
