@@ -11,18 +11,22 @@ library reads itself (``HF_HUB_OFFLINE``, ...) are set or passed on elsewhere.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "settings_env"]
 
 
 class Settings(BaseSettings):
     """Settings shared by the broker, router, workers, bridge and planner."""
 
-    model_config = SettingsConfigDict(env_prefix="KVFLOW_", extra="ignore", frozen=True, populate_by_name=True)
+    # env_parse_none_str: KVFLOW_X=null sets an optional field to None (settings_env relies on it).
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_", extra="ignore", frozen=True, populate_by_name=True,
+                                      env_parse_none_str="null")
 
     bootstrap_servers: str | None = None
     """Kafka bootstrap servers (``host:port,...``). ``None`` means the embedded
@@ -432,3 +436,38 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value
+
+
+def _env_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, tuple):  # the NoDecode lists: comma-separated (see _split_api_keys)
+        return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` (a process environment) changed so that a child process's
+    ``Settings()`` equals ``settings``: every field that differs from its
+    default is set as its ``KVFLOW_*`` variable (optional fields as ``null``
+    when None), and the variables of fields at their default are removed.
+
+    So settings a parent set in code (``model_copy``), not only those it read
+    from its own environment, reach the processes it starts. A child's CLI
+    flags still win over these variables.
+    """
+    env = dict(base)
+    for name, field in Settings.model_fields.items():
+        key = f"KVFLOW_{name.upper()}"
+        value = getattr(settings, name)
+        if value == field.get_default(call_default_factory=True):
+            env.pop(key, None)
+        else:
+            env[key] = _env_text(value)
+    return env

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 
 from kvflow.schemas import IMAGE_ROLES, WorkerRole, WorkerStatus, now_ms
-from kvflow.settings import Settings
+from kvflow.settings import Settings, settings_env
 from kvflow.streams.broker import EmbeddedBroker, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
 from kvflow.streams.kafka import create_topics
@@ -195,15 +195,11 @@ class Supervisor:
         return worker_id
 
     def _worker_env(self) -> dict[str, str]:
-        """This process's environment plus the heartbeat timing the router was built
-        with: a worker must beat as often, and announce the TTL, that this deployment's
-        settings say, whether they came from the environment or from code."""
-        env = dict(os.environ)
-        env["KVFLOW_HEARTBEAT_INTERVAL_MS"] = str(self.settings.heartbeat_interval_ms)
-        env["KVFLOW_WORKER_TTL_MS"] = str(self.settings.worker_ttl_ms)
-        if self.settings.heartbeat_idle_ms is not None:
-            env["KVFLOW_HEARTBEAT_IDLE_MS"] = str(self.settings.heartbeat_idle_ms)
-        return env
+        """This process's environment with this deployment's settings in it
+        (:func:`~kvflow.settings.settings_env`): a worker beats as often, announces
+        the TTL and flushes its streams as this deployment's settings say, whether
+        they came from the environment or from code."""
+        return settings_env(self.settings, os.environ)
 
     async def stop_worker(self, worker_id: str, timeout_s: float = 90.0) -> None:
         """Drain one worker (SIGTERM → it finishes in-flight work) and reap it."""

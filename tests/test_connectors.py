@@ -47,11 +47,8 @@ async def publish(settings, catalog, *items: ScalingCommand | bytes) -> None:
 
 
 @pytest.fixture
-async def supervisor(kafka, monkeypatch):
+async def supervisor(kafka):
     settings, _ = kafka
-    # Worker children read KVFLOW_* from the environment: short heartbeats make drains quick.
-    monkeypatch.setenv("KVFLOW_HEARTBEAT_INTERVAL_MS", str(settings.heartbeat_interval_ms))
-    monkeypatch.setenv("KVFLOW_WORKER_TTL_MS", str(settings.worker_ttl_ms))
     sup = Supervisor(settings, WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]),
                      bridge=False)
     await sup.start()

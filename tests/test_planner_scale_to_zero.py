@@ -20,11 +20,9 @@ AGG = WorkerRole.aggregated
 MODEL = "mock-model"
 
 
-async def test_an_idle_pool_scales_to_zero_and_a_held_request_starts_a_worker(kafka, monkeypatch, tmp_path, waiter):
+async def test_an_idle_pool_scales_to_zero_and_a_held_request_starts_a_worker(kafka, tmp_path, waiter):
     settings, catalog = kafka
     settings = settings.model_copy(update={"shed_mode": "queue", "shed_cold_start_hold_s": 60.0})
-    monkeypatch.setenv("KVFLOW_HEARTBEAT_INTERVAL_MS", str(settings.heartbeat_interval_ms))
-    monkeypatch.setenv("KVFLOW_WORKER_TTL_MS", str(settings.worker_ttl_ms))
     sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=20"]),
                      bridge=False)
     await sup.start()

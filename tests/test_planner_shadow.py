@@ -16,10 +16,8 @@ from kvflow.supervisor import Supervisor, WorkerSpec
 AGG = WorkerRole.aggregated
 
 
-async def test_shadow_planner_publishes_decisions_and_scales_nothing(kafka, monkeypatch, tmp_path, waiter):
+async def test_shadow_planner_publishes_decisions_and_scales_nothing(kafka, tmp_path, waiter):
     settings, catalog = kafka
-    monkeypatch.setenv("KVFLOW_HEARTBEAT_INTERVAL_MS", str(settings.heartbeat_interval_ms))
-    monkeypatch.setenv("KVFLOW_WORKER_TTL_MS", str(settings.worker_ttl_ms))
     sup = Supervisor(settings, WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]),
                      bridge=False)
     await sup.start()

@@ -24,10 +24,8 @@ MAX_TOKENS = 40  # about 0.3 s of mocker decode at speedup 1: many requests are 
 
 
 @pytest.fixture
-async def two_workers(kafka, monkeypatch):
+async def two_workers(kafka):
     settings, _ = kafka
-    monkeypatch.setenv("KVFLOW_HEARTBEAT_INTERVAL_MS", str(settings.heartbeat_interval_ms))
-    monkeypatch.setenv("KVFLOW_WORKER_TTL_MS", str(settings.worker_ttl_ms))
     sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=1"]),
                      bridge=False)
     await sup.start()

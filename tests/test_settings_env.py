@@ -1,0 +1,46 @@
+"""settings_env: the environment that gives a child process the parent's settings.
+
+The child side is real: a fresh interpreter builds ``Settings()`` from the
+environment and prints it, as a worker process that ``kvflow up`` starts does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pydantic import SecretStr
+
+from kvflow.settings import Settings, settings_env
+
+CHANGED = {
+    "heartbeat_interval_ms": 250, "worker_ttl_ms": 60_000, "stream_flush_ms": 80, "stream_flush_tokens": 4,
+    "embedded_broker": True, "bootstrap_servers": "127.0.0.1:1", "shed_mode": "queue",
+    "router_session_margin": None, "shed_cold_start_hold_s": 12.5, "api_keys": ("k1", "k2"),
+    "kafka_sasl_plain_password": SecretStr("s3cret"), "vllm_speculative_config": {"method": "ngram", "n": 3},
+}
+
+
+def child_settings(env: dict[str, str]) -> dict:
+    code = ("import json; from kvflow.settings import Settings; "
+            "s = Settings(); d = s.model_dump(mode='json'); "
+            "d['kafka_sasl_plain_password'] = s.kafka_sasl_plain_password and "
+            "s.kafka_sasl_plain_password.get_secret_value(); print(json.dumps(d))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_child_process_gets_the_settings_set_in_code():
+    parent = Settings().model_copy(update=CHANGED)
+    base = {"PATH": "/usr/bin:/bin", "KVFLOW_STREAM_FLUSH_MS": "5", "KVFLOW_NAMESPACE": "from-env"}
+    env = settings_env(parent, base)
+    assert "KVFLOW_NAMESPACE" not in env  # the parent's namespace is the default: the stale variable goes
+    want = parent.model_dump(mode="json")
+    want["kafka_sasl_plain_password"] = "s3cret"
+    assert child_settings(env) == want
+
+
+def test_null_sets_an_optional_field_to_none(monkeypatch):
+    monkeypatch.setenv("KVFLOW_ROUTER_SESSION_MARGIN", "null")
+    assert Settings().router_session_margin is None
