@@ -10,11 +10,25 @@ import contextlib
 import signal
 
 from kvflow.router.orphans import Orphans, Routed
-from kvflow.schemas import FinalResponse, FinishReason, ReplyTo, SamplingParams, TokenDelta
+from kvflow.schemas import (
+    FinalResponse,
+    FinishReason,
+    MediaItem,
+    MediaKind,
+    ReplyTo,
+    SamplingParams,
+    TokenDelta,
+    WorkerHeartbeat,
+    WorkerRole,
+    encode,
+    now_ms,
+)
 from kvflow.streams.client import KvflowClient
+from kvflow.streams.kafka import make_producer
 from kvflow.supervisor import WorkerSpec
+from kvflow.workers.engines.mocker_core import MockerConfig
 
-from deployment import KILLED_WORKER_TTL_MS, running_deployment
+from deployment import KILLED_WORKER_TTL_MS, in_process_cluster, running_deployment
 
 MODEL = "SmolLM2-135M-Instruct"
 R = ReplyTo(topic="responses", partition=3)
@@ -26,12 +40,24 @@ def test_orphans_forget_finished_and_hand_back_lost_ones():
     o.note(Routed("b", "w2", None, R))
     o.note(Routed("c", "w3", "w1", R))  # remote prefill on w1
     o.finished("b", "w2")
-    o.finished("c", "w1")  # the prefill worker's finish record is not the end
-    assert [r.request_id for r in o.take_lost(["w1"])] == ["a", "c"]
+    assert [r.request_id for r in o.take_lost(["w1"])] == ["a", "c"]  # c's prefill was not done
     assert len(o) == 0 and o.take_lost(["w1"]) == []
     for i in range(5):
         o.note(Routed(f"r{i}", "w", None, R))
     assert len(o) == 3 and [r.request_id for r in o.take_lost({"w"})] == ["r2", "r3", "r4"]
+
+
+def test_a_finished_prefill_or_a_forwarded_encode_no_longer_ties_a_request_to_its_worker():
+    o = Orphans()
+    o.note(Routed("p", "d1", "p1", R))  # remote prefill on p1, decode on d1
+    o.finished("p", "p1")  # the prefill is done: the request is d1's now
+    assert o.take_lost(["p1"]) == [] and len(o) == 1
+    o.note(Routed("e", "w1", None, R, encode_worker_id="enc"))
+    o.note(Routed("f", "w1", None, R, encode_worker_id="enc"))
+    o.admitted("e", "w9")  # not its worker: still with the encoder
+    o.admitted("e", "w1")  # its worker took it: the encoder sent it on
+    assert [r.request_id for r in o.take_lost(["enc"])] == ["f"]
+    assert [r.request_id for r in o.take_lost(["d1", "w1"])] == ["p", "e"]
 
 
 async def kill_serving_worker(sup, worker_id: str) -> None:
@@ -97,3 +123,31 @@ async def test_a_killed_workers_request_migrates_and_matches_an_uninterrupted_ru
             # The same request (same id: the mocker's output depends on it) served without a fault.
             again = await asyncio.wait_for(client.complete(req), 120)
             assert again.error is None and again.token_ids == final.token_ids
+
+
+async def test_a_request_whose_encode_worker_died_ends_worker_lost(kafka, waiter):
+    """An encode worker that dies before sending a request on: once it expires, the
+    router answers the request ``worker_lost`` (it used to wait for its deadline)."""
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"max_migrations": 0})
+    model = "mock-vlm-lost"
+    async with in_process_cluster(settings, catalog, waiter, model=model, mocker=MockerConfig(block_size=16),
+                                  client_timeout_s=300) as (router, _, client):
+        # A heartbeat with no process behind it: the encoder that died right after it.
+        gone = WorkerHeartbeat(worker_id="enc-gone", role=WorkerRole.encode, model=model, engine="media",
+                               block_size=1, kv_total_blocks=0, queue_topic=catalog.queue(WorkerRole.encode).name,
+                               queue_partition=0, ts_ms=now_ms(), ttl_ms=3_000, started_ms=1)
+        producer = make_producer(settings)
+        await producer.start()
+        try:
+            await producer.send_and_wait(catalog.workers.name, encode(gone), key=b"enc-gone")
+        finally:
+            await producer.stop()
+        await waiter(lambda: "enc-gone" in router.table.workers, timeout_s=60)
+        image = MediaItem(kind=MediaKind.image, content_type="image/png", content_hash=7, offset=2, num_tokens=8,
+                          data="iVBORw0KGgo=")
+        req = client.new_request(model, token_ids=list(range(40)), media=[image],
+                                 sampling=SamplingParams(max_tokens=4), deadline_ms=now_ms() + 600_000)
+        final = await client.complete(req)
+        assert final.finish_reason is FinishReason.error and final.error.code == "worker_lost", final.error
+        assert final.worker_id == "enc-gone" and router.counters["worker_lost"] == 1

@@ -314,6 +314,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             state.orphans.finished(record.request_id, record.worker_id)
         else:
             core.on_request_admitted(record)
+            state.orphans.admitted(record.request_id, record.worker_id)
 
     async def on_cancel_record(msg) -> None:
         try:
@@ -449,6 +450,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         span.set_attribute("kvflow.overlap_blocks", placement.decision.overlap_blocks)
         record = routed_record(request, placement.decision, decision.decode_worker, placement.plan.remote)
         topic, partition = target.queue_topic, target.queue_partition
+        encode_worker_id = None
         if request.needs_encoding:  # its media go through an encode worker, which sends it on there
             encoder = pick_encode_worker(core.table.workers.values(), request.model, encode_key(request))
             if encoder is None:
@@ -459,11 +461,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             record = record.model_copy(update={"forward_to": EncodeForward(topic=topic, partition=partition)})
             topic, partition = encoder.queue_topic, encoder.queue_partition
             span.set_attribute("kvflow.encode_worker_id", encoder.worker_id)
+            encode_worker_id = encoder.worker_id
         await app.producer.send(topic, request.request_id.encode(), encode(record), partition, None,
                                 inject_headers(trace_ctx))
         produced(topic, partition)  # its worker may be parked in a long poll
         state.orphans.note(Routed(request.request_id, placement.decision.worker_id,
-                                  placement.decision.prefill_worker_id, request.reply_to, request.attempt))
+                                  placement.decision.prefill_worker_id, request.reply_to, request.attempt,
+                                  encode_worker_id))
 
     def decision_lost(ack: asyncio.Future) -> None:
         if not ack.cancelled() and ack.exception() is not None:
@@ -511,10 +515,11 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     async def answer_lost(worker_id: str) -> None:
         for routed in state.orphans.take_lost([worker_id]):
             counters["worker_lost"] += 1
-            log.warning("worker of %s expired before finishing it; answering worker_lost", routed.request_id)
+            log.warning("worker %s of %s expired before its part was done; answering worker_lost", worker_id,
+                        routed.request_id)
             await send_error(routed.request_id, routed.reply_to, routed.attempt,
-                             f"worker {routed.worker_id} stopped responding before the request finished",
-                             status=503, code="worker_lost", retry_after_s=1, worker_id=routed.worker_id)
+                             f"worker {worker_id} stopped responding before the request finished",
+                             status=503, code="worker_lost", retry_after_s=1, worker_id=worker_id)
 
     async def send_error(request_id: str, reply_to: ReplyTo, attempt: int, message: str, *, status: int, code: str,
                          retry_after_s: int | None = None, worker_id: str = "") -> None:
