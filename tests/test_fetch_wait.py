@@ -189,7 +189,9 @@ async def test_a_parked_consumer_is_cut_short(kafka, waiter, how):
     p = install(consumer, FetchWaitPolicy(active_ms=10, idle_ms=20_000, active_window_s=0.0))
     reader = asyncio.create_task(read())
     try:
-        await waiter(lambda: p.sent_ms == 20_000, timeout_s=30)  # parked
+        # Parked: the wait doubles each quiet second from 10 ms and reaches 20 s after ~11 s, in a fetch
+        # that starts once the one before it ends (the broker holds a fetch up to 10 s): ~20 s when quiet.
+        await waiter(lambda: p.sent_ms == 20_000, timeout_s=120)
         await producer.send_and_wait(topic, b"x", partition=0)
         wake(consumer) if how == "wake" else produced(topic)
         await waiter(lambda: got, timeout_s=5)

@@ -23,10 +23,11 @@ from kvflow.schemas import (
 from kvflow.streams.kafka import make_consumer, make_producer
 
 
-def heartbeat(catalog, worker_id, slot, status=WorkerStatus.serving, model="m", active=0, ts=None):
+def heartbeat(catalog, worker_id, slot, status=WorkerStatus.serving, model="m", active=0, ts=None, ttl_ms=120_000):
+    # A long TTL by default: on a loaded machine seconds can pass between a heartbeat and the decision.
     return WorkerHeartbeat(worker_id=worker_id, model=model, engine="mocker", block_size=16, kv_total_blocks=64,
                            queue_topic=catalog.queue(WorkerRole.aggregated).name, queue_partition=slot,
-                           status=status, active_requests=active, ts_ms=ts or now_ms(), ttl_ms=1500)
+                           status=status, active_requests=active, ts_ms=ts or now_ms(), ttl_ms=ttl_ms)
 
 
 @pytest.fixture
@@ -73,8 +74,11 @@ async def test_table_tracks_registration_drain_and_expiry(kafka, router, waiter)
     await producer.send_and_wait(catalog.workers.name,
                                  encode(heartbeat(catalog, "w2", 2, status=WorkerStatus.stopped)), key=b"w2")
     await waiter(lambda: "w2" not in r.table.workers)
-    # w1 stops heartbeating: expired on the next routing decision after its TTL
-    await asyncio.sleep(1.7)
+    # w1 announces a short TTL, then stops heartbeating: expired on the next routing decision after it
+    short = heartbeat(catalog, "w1", 1, ts=max(now_ms(), r.table.workers["w1"].last_seen_ms + 1), ttl_ms=1500)
+    await producer.send_and_wait(catalog.workers.name, encode(short), key=b"w1")
+    await waiter(lambda: r.table.workers["w1"].ttl_ms == 1500)
+    await waiter(lambda: now_ms() > short.ts_ms + short.ttl_ms, timeout_s=30)
     req = InferenceRequest(request_id="late", model="m", prompt="x",
                            reply_to=ReplyTo(topic=catalog.responses.name, partition=5))
     await producer.send_and_wait(catalog.requests.name, encode(req), key=b"late")
