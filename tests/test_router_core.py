@@ -188,6 +188,22 @@ def test_queue_holds_releases_in_order_and_drops_at_the_deadline():
     assert core.counters["queue_timeouts"] == 1 and core.counters["released"] == 3
 
 
+def test_a_finished_request_releases_one_held_request_between_ticks():
+    core = core_with("w0", "w1", shed=ShedConfig(mode="queue", kv_threshold=0.5))
+    for w, slot in (("w0", 0), ("w1", 1)):
+        core.on_heartbeat(hb(w, 1_001, used=80, slot=slot, seq=0))
+    assert all(core.route(arrival(f"q{i}"), 1_002 + i).outcome is DecisionOutcome.queued for i in range(3))
+    assert core.release_freed(1_100) == []  # every worker still busy: the busy test holds them
+    core.on_heartbeat(hb("w0", 1_200, used=0, slot=0, seq=0))
+    core.on_heartbeat(hb("w1", 1_200, used=0, slot=1, seq=0))
+    # Both free now, yet one finish record lets one request go (a tick would let two).
+    released = core.release_freed(1_201)
+    assert [(e.outcome, e.arrival.request_id) for e in released] == [(DecisionOutcome.routed, "q0")]
+    assert [e.arrival.request_id for e in core.release_freed(1_202)] == ["q1"]
+    assert len(core.queue) == 1 and core.counters["released"] == 2
+    assert core_with("w0").release_freed(1_300) == []  # reject mode holds nothing
+
+
 def test_a_cancelled_held_request_leaves_the_queue():
     core = core_with("w0", shed=ShedConfig(mode="queue", kv_threshold=0.5))
     core.on_heartbeat(hb("w0", 1_001, used=80, seq=0))

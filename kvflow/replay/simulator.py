@@ -510,10 +510,29 @@ class Simulation:
     def _finished(self, w: SimWorker, request_id: str) -> None:
         """``request_id`` ended on ``w`` (its :class:`RequestFinished`, folded at once)."""
         w.held.discard(request_id)
-        self._to_router(self.core.on_request_finished, RequestFinished(
+        self._to_router(self._fold_finished, RequestFinished(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request_id,
             ts_ms=int(self.now_ms)))
         w.lifecycle_seq += 1
+
+    def _fold_finished(self, record: RequestFinished) -> None:
+        """The router folds a finish record; with requests held, one of them may then
+        start (:meth:`RouterCore.release_freed`), from the event loop rather than
+        inside the worker step that finished this one."""
+        self.core.on_request_finished(record)
+        if self.core.queue:
+            self._seq += 1
+            self._deliveries[self._seq] = (self._release_freed, None)
+            self._foreground += 1
+            heapq.heappush(self._heap, (self.now_ms, _DELIVER, self._seq, ""))
+
+    def _release_freed(self, _: None) -> None:
+        if not self._hop:
+            for w in self.workers.values():
+                self._heartbeat(w)
+        for effect in self.core.release_freed(int(self.now_ms)):
+            if isinstance(effect, Decision):  # as at a tick
+                self._carry_out(effect)
 
     # ---- events ----------------------------------------------------------
 

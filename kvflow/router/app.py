@@ -312,6 +312,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         if isinstance(record, RequestFinished):
             core.on_request_finished(record)
             state.orphans.finished(record.request_id, record.worker_id)
+            for effect in core.release_freed(now_ms()):  # one ended: one held request may start
+                await carry_out(effect)
         else:
             core.on_request_admitted(record)
             state.orphans.admitted(record.request_id, record.worker_id)
