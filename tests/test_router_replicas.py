@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 
 import httpx
 from aiokafka import TopicPartition
@@ -30,6 +31,7 @@ from kvflow.schemas import (
     encode,
     now_ms,
 )
+from kvflow.settings import settings_env
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import make_consumer, make_producer
 from kvflow.workers.engines.mocker import MockerEngine
@@ -42,22 +44,43 @@ HELD = 6
 TOKENS = 8
 
 
-async def start_router(settings, router_id: str, group: str) -> asyncio.subprocess.Process:
-    """A ``kvflow router`` process holding cold requests for up to 120 s."""
-    env = {**os.environ, "KVFLOW_HEARTBEAT_INTERVAL_MS": str(settings.heartbeat_interval_ms),
-           "KVFLOW_SESSION_TIMEOUT_MS": str(settings.session_timeout_ms)}
-    return await asyncio.create_subprocess_exec(
+@dataclass
+class RouterProcess:
+    """A ``kvflow router`` process and the lines of its stdout, read as they come
+    (so a full pipe never blocks it)."""
+
+    proc: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+    reader: asyncio.Task | None = None
+
+    async def metrics_url(self, waiter) -> str:
+        """The /metrics URL the process prints once it runs."""
+        ready = await waiter(lambda: next((ln for ln in self.lines if "; metrics: " in ln), None), timeout_s=120)
+        return ready.rsplit("; metrics: ", 1)[1].strip()
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        if self.reader is not None:
+            await asyncio.gather(self.reader, return_exceptions=True)
+
+
+async def start_router(settings, router_id: str, group: str) -> RouterProcess:
+    """A ``kvflow router`` process with the test's settings, holding cold requests for up to 120 s."""
+    proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow", "router", "--bootstrap-servers", settings.bootstrap_servers,
         "--namespace", settings.namespace, "--embedded-broker", "--router-id", router_id, "--group", group,
         "--policy", "round_robin", "--shed-mode", "queue", "--shed-cold-start-hold-s", "120", "--metrics-port", "0",
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=settings_env(settings, os.environ))
+    router = RouterProcess(proc)
 
+    async def read() -> None:
+        async for line in proc.stdout:
+            router.lines.append(line.decode(errors="replace"))
 
-async def metrics_url(proc: asyncio.subprocess.Process) -> str:
-    """The /metrics URL a ``kvflow router`` process prints once it runs."""
-    line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-    assert "; metrics: " in line, line
-    return line.rsplit("; metrics: ", 1)[1].strip()
+    router.reader = asyncio.create_task(read())
+    return router
 
 
 class Decisions:
@@ -99,12 +122,6 @@ class Decisions:
                 if r.request_id in request_ids and r.router_id == router_id and r.outcome is outcome}
 
 
-async def stop_process(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.kill()
-        await proc.wait()
-
-
 async def test_a_stopped_replica_hands_its_held_requests_to_another(kafka, waiter):
     settings, catalog = kafka
     group = f"{settings.namespace}-router"
@@ -120,7 +137,7 @@ async def test_a_stopped_replica_hands_its_held_requests_to_another(kafka, waite
             probes: set[str] = set()
             deadline = asyncio.get_running_loop().time() + 120
             while not decisions.of(probes, "replica-a", DecisionOutcome.queued):
-                assert a.returncode is None, "replica A exited"
+                assert a.proc.returncode is None, "replica A exited"
                 assert asyncio.get_running_loop().time() < deadline, "replica A never held a probe"
                 rid = f"probe-{len(probes)}"
                 probes.add(rid)
@@ -137,13 +154,13 @@ async def test_a_stopped_replica_hands_its_held_requests_to_another(kafka, waite
             finals = [asyncio.create_task(client.complete(r)) for r in requests]
             await waiter(lambda: decisions.of(ids, "replica-a", DecisionOutcome.queued) == ids, timeout_s=60)
             async with httpx.AsyncClient(timeout=30) as http:
-                scrape = (await http.get(await metrics_url(a))).text
+                scrape = (await http.get(await a.metrics_url(waiter))).text
             held = [line for line in scrape.splitlines() if line.startswith("kvflow_router_queued_requests")]
             assert held and float(held[0].split()[-1]) >= HELD, held
 
             b = await start_router(settings, "replica-b", group)
-            a.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(a.wait(), 120) == 0
+            a.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(a.proc.wait(), 120) == 0
             # B takes every partition, reads the handed-back records and holds them (still no worker).
             await waiter(lambda: decisions.of(ids, "replica-b", DecisionOutcome.queued) == ids, timeout_s=120)
 
@@ -165,8 +182,8 @@ async def test_a_stopped_replica_hands_its_held_requests_to_another(kafka, waite
         if worker_task is not None:
             worker.stop()
             await worker_task
-        for proc in (a, b):
-            if proc is not None:
-                await stop_process(proc)
+        for router in (a, b):
+            if router is not None:
+                await router.kill()
         await probe_producer.stop()
         await client.stop()
