@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvflow.schemas import IMAGE_ROLES, WorkerRole, WorkerStatus, now_ms
 from kvflow.settings import Settings, settings_env
-from kvflow.streams.broker import EmbeddedBroker, free_port
+from kvflow.streams.broker import EmbeddedBroker, broker_process_registry, free_port
 from kvflow.streams.catalog import QUEUE_SLOTS, Catalog
 from kvflow.streams.kafka import create_topics
 
@@ -133,6 +133,8 @@ class Supervisor:
         self.lag = ConsumerLag(self.settings, self.catalog)
         await self.lag.start()
         registries = [self.router.prom.registry, self.lag.registry]
+        if self.broker is not None:  # its memory grows with the traffic served (no retention)
+            registries.append(broker_process_registry(self.broker))
         bridge_state = getattr(self._uvicorn.config.app.state, "bridge", None) if self._uvicorn else None
         if bridge_state is not None:
             registries.append(bridge_state.metrics.registry)

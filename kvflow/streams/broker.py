@@ -18,10 +18,14 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvflow.settings import Settings
 
-__all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "free_port"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "broker_process_registry", "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -152,3 +156,21 @@ class EmbeddedBroker:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def broker_process_registry(broker: EmbeddedBroker) -> "CollectorRegistry":
+    """Prometheus series of the embedded broker's process, read from ``/proc``
+    at each scrape by prometheus_client's ``ProcessCollector``:
+    ``kvflow_broker_process_resident_memory_bytes``, ``_virtual_memory_bytes``,
+    ``_cpu_seconds_total``, ``_open_fds``, ``_start_time_seconds`` ...
+
+    The memory store keeps every record (no retention), so resident memory
+    grows with the traffic served; this is where to watch it. No series while
+    the broker is stopped, or where ``/proc`` does not exist.
+    """
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(namespace="kvflow_broker", pid=lambda: broker.process.pid if broker.process else 0,
+                     registry=registry)
+    return registry
