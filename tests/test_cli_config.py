@@ -355,7 +355,9 @@ async def test_two_deployments_side_by_side(tmp_path):
             async with httpx.AsyncClient(base_url=states[name].url, timeout=60) as http:
                 reply = (await http.post("/v1/chat/completions", json={
                     "model": f"mock-{name}", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})).json()
+                scrape = (await http.get(states[name].metrics_url)).text  # its own embedded broker's process
             assert reply["kvflow"]["policy"] == states[name].routing_policy
+            assert "kvflow_broker_process_resident_memory_bytes" in scrape
 
         both = await _run(env, "status")
         assert both.returncode == 2 and f"port {ports['a']}" in both.stderr and f"port {ports['b']}" in both.stderr
