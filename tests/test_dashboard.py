@@ -19,6 +19,7 @@ from kvflow.planner.service import open_shared_clickhouse
 from kvflow.router.app import build_router_app
 from kvflow.schemas import WorkerRole
 from kvflow.streams.bridge.metrics import BridgeMetrics
+from kvflow.streams.broker import broker_process_registry
 from kvflow.streams.bridge.worker_registry import WorkerRegistry
 from kvflow.streams.lag import ConsumerLag
 from kvflow.streams.metrics_server import metric_names
@@ -31,7 +32,7 @@ METRIC = re.compile(r"\bkvflow_[a-zA-Z0-9_:]+")
 
 
 @pytest.fixture
-async def exported(kafka, tmp_path) -> set[str]:
+async def exported(broker, kafka, tmp_path) -> set[str]:
     settings, catalog = kafka
     worker = Worker(settings, WorkerConfig(worker_id="w0", slot=0, model="m"),
                     MockerEngine(MockerConfig(), worker_id="w0", model_name="m"), catalog)
@@ -45,7 +46,8 @@ async def exported(kafka, tmp_path) -> set[str]:
         bridge = BridgeMetrics()
         bridge.track_workers(WorkerRegistry())  # the bridge app always does (the prefill pool's gauges)
         registries = [bridge.registry, worker.prom.registry, router.prom.registry,
-                      planner_registry(loop), ConsumerLag(settings, catalog).registry]
+                      planner_registry(loop), ConsumerLag(settings, catalog).registry,
+                      broker_process_registry(broker)]
         yield set().union(*(metric_names(r) for r in registries))
     finally:
         await loop.stop()
@@ -74,7 +76,8 @@ async def test_every_dashboard_query_names_exported_metrics(exported):
     assert all(METRIC.search(expr) for _, expr in queries), "every query names a kvflow metric"
     # Every process kind has at least one panel.
     used = {name for _, expr in queries for name in METRIC.findall(expr)}
-    for prefix in ("kvflow_bridge_", "kvflow_worker_", "kvflow_router_", "kvflow_planner_", "kvflow_consumer_lag"):
+    for prefix in ("kvflow_bridge_", "kvflow_worker_", "kvflow_router_", "kvflow_planner_", "kvflow_consumer_lag",
+                   "kvflow_broker_"):
         assert any(n.startswith(prefix) for n in used), prefix
     # Prometheus conventions: counters end in _total, no name carries a unit other than base units.
     assert not any(re.search(r"_(milliseconds|ms|bytes_total_bytes)$", n) for n in exported)
