@@ -20,7 +20,7 @@ import json
 import httpx
 import pytest
 from aiokafka import TopicPartition
-from deployment import in_process_cluster, read_final, serve_bridge
+from deployment import in_process_cluster, read_final, serve_bridge, steady
 
 from kvflow.schemas import (
     DeadLetter,
@@ -282,7 +282,7 @@ async def test_worker_started_on_a_backlog_aborts_requests_cancelled_before_it_s
 
     engine = MockerEngine(MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=1024),
                           worker_id="w2", model_name=MODEL)
-    late = Worker(settings, WorkerConfig(worker_id="w2", slot=2, model=MODEL), engine, catalog)
+    late = Worker(steady(settings), WorkerConfig(worker_id="w2", slot=2, model=MODEL), engine, catalog)
     task = asyncio.create_task(late.run())
     try:
         final = await read_final(settings, catalog, client.slot, cancelled.request_id)

@@ -102,7 +102,8 @@ class GlueRouter:
 
 async def start_worker(settings, catalog, worker_id: str, role: WorkerRole, slot: int = 0):
     engine = MockerEngine(MockerConfig(**MOCKER), worker_id=worker_id, model_name=MODEL)
-    worker = Worker(settings, WorkerConfig(worker_id=worker_id, slot=slot, model=MODEL, role=role), engine, catalog)
+    worker = Worker(steady(settings), WorkerConfig(worker_id=worker_id, slot=slot, model=MODEL, role=role), engine,
+                    catalog)
     return worker, asyncio.create_task(worker.run())
 
 

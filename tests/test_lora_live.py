@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from deployment import steady
 from test_engine_hf_lora import QUESTION, train_adapter
 
 from kvflow.schemas import AdminAction, ChatMessage, SamplingParams
@@ -39,7 +40,7 @@ async def cluster(kafka, waiter, tmp_path):
             await engine.start()
             config = WorkerConfig(worker_id=f"w{i}", slot=i, model=engine.model_name, tokenizer=engine.model_name,
                                   lora_cache_dir=str(tmp_path / f"cache{i}"))
-            worker = Worker(settings, config, engine, catalog)
+            worker = Worker(steady(settings), config, engine, catalog)
             started.append((worker, asyncio.create_task(worker.run())))
         await waiter(lambda: len(router.table.workers) == 2, timeout_s=60)
         await client.start()

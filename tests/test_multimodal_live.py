@@ -76,7 +76,7 @@ async def test_the_same_image_twice_hits_the_embedding_cache_and_the_worker_hold
     settings, catalog = kafka
     settings = settings.model_copy(update={"media_allow_networks": ("127.0.0.1/32",)})
     mocker = MockerConfig(block_size=16)
-    encoder = EncodeWorker(settings, EncodeWorkerConfig(worker_id="enc0", slot=0, model=MODEL),
+    encoder = EncodeWorker(steady(settings), EncodeWorkerConfig(worker_id="enc0", slot=0, model=MODEL),
                            build_media_encoder(DEFAULT_MEDIA_HIDDEN_SIZE), catalog)
     metrics = encode_registry(encoder)
 

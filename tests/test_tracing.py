@@ -19,7 +19,7 @@ from kvflow.streams.tracing import TRACE_ID_HEADER, extract_context, inject_head
 from kvflow.workers.engines.mocker import MockerEngine
 from kvflow.workers.engines.mocker_core import MockerConfig
 from kvflow.workers.worker import Worker, WorkerConfig
-from deployment import serve_bridge
+from deployment import serve_bridge, steady
 
 MODEL = "mock-traced"
 
@@ -41,7 +41,7 @@ async def pipeline(kafka, waiter):
     settings, catalog = kafka
     router = build_router_app(settings, catalog, policy="kv")
     await router.app.start()
-    worker = Worker(settings, WorkerConfig(worker_id="w0", slot=0, model=MODEL),
+    worker = Worker(steady(settings), WorkerConfig(worker_id="w0", slot=0, model=MODEL),
                     MockerEngine(MockerConfig(speedup_ratio=50.0), worker_id="w0", model_name=MODEL), catalog)
     task = asyncio.create_task(worker.run())
     try:
@@ -131,7 +131,7 @@ async def test_disaggregated_request_trace_runs_through_prefill_and_decode_worke
     await router.app.start()
     started = []
     for wid, role in (("p0", WorkerRole.prefill), ("d0", WorkerRole.decode)):
-        worker = Worker(settings, WorkerConfig(worker_id=wid, slot=0, model=MODEL, role=role),
+        worker = Worker(steady(settings), WorkerConfig(worker_id=wid, slot=0, model=MODEL, role=role),
                         MockerEngine(MockerConfig(speedup_ratio=50.0, block_size=16), worker_id=wid,
                                      model_name=MODEL), catalog)
         started.append((worker, asyncio.create_task(worker.run())))

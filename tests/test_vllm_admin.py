@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 
 import pytest
+from deployment import steady
 from vllm_support import TEST_KV_CACHE_GB, TEST_MAX_MODEL_LEN, require_vllm
 
 from kvflow.schemas import SamplingParams, WorkerRole, WorkerStatus
@@ -45,7 +46,7 @@ async def test_vllm_worker_clears_sleeps_and_wakes(kafka, waiter):
     engine = VllmEngine(EngineConfig(model=MODEL, block_size=BLOCK, extra={"max_model_len": TEST_MAX_MODEL_LEN}),
                         options=VllmOptions(kv_cache_gb=TEST_KV_CACHE_GB, dtype="float32"))
     await engine.start()
-    worker = Worker(settings, WorkerConfig(worker_id="w0", slot=0, model=MODEL, role=WorkerRole.aggregated),
+    worker = Worker(steady(settings), WorkerConfig(worker_id="w0", slot=0, model=MODEL, role=WorkerRole.aggregated),
                     engine, catalog)
     task = asyncio.create_task(worker.run())
     router = build_router_app(settings, catalog, policy="kv")

@@ -27,6 +27,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from deployment import steady
 from vllm_support import TEST_KV_CACHE_GB, TEST_MAX_MODEL_LEN, require_vllm
 
 from kvflow.schemas import FinishReason, SamplingParams, WorkerRole
@@ -257,9 +258,9 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
     await prefill_engine.start()
     await decode_engine.start()
-    workers = [Worker(settings, WorkerConfig(worker_id="pre-0", slot=0, model=MODEL, role=WorkerRole.prefill),
+    workers = [Worker(steady(settings), WorkerConfig(worker_id="pre-0", slot=0, model=MODEL, role=WorkerRole.prefill),
                       prefill_engine, catalog),
-               Worker(settings, WorkerConfig(worker_id="dec-0", slot=0, model=MODEL, role=WorkerRole.decode),
+               Worker(steady(settings), WorkerConfig(worker_id="dec-0", slot=0, model=MODEL, role=WorkerRole.decode),
                       decode_engine, catalog)]
     tasks = [asyncio.create_task(w.run()) for w in workers]
     router = build_router_app(settings, catalog, policy="kv")
