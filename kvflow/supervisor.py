@@ -293,7 +293,11 @@ class Supervisor:
             self.metrics.registries.append(planner_registry(self.planner.loop))
 
     async def stop(self) -> None:
-        """Stop everything: metrics server, planner, bridge, workers (drained), router, broker."""
+        """Stop everything: metrics server, planner, bridge, workers (drained), router, broker.
+
+        On a Kafka cluster (no embedded broker) the requests the router still
+        held go back to the requests topic for the next router to route
+        (:func:`kvflow.router.serve.hand_back_held`)."""
         if self.metrics is not None:
             with contextlib.suppress(Exception):
                 await self.metrics.stop()
@@ -310,5 +314,10 @@ class Supervisor:
         if self.router is not None:
             with contextlib.suppress(Exception):
                 await self.router.app.stop()
+            if self.broker is None:  # the cluster outlives this deployment: another router routes them
+                from kvflow.router.serve import hand_back_held
+
+                with contextlib.suppress(Exception):
+                    await hand_back_held(self.router)
         if self.broker is not None:
             await self.broker.stop()
