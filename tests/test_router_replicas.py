@@ -187,3 +187,47 @@ async def test_a_stopped_replica_hands_its_held_requests_to_another(kafka, waite
                 await router.kill()
         await probe_producer.stop()
         await client.stop()
+
+
+async def test_a_deployment_stopping_on_a_cluster_hands_back_its_held_requests(kafka, waiter):
+    """`kvflow up` on a Kafka cluster (not its embedded broker) puts the requests its
+    router still held back on the requests topic when it stops."""
+    from kvflow.supervisor import Supervisor, WorkerSpec
+
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"shed_mode": "queue", "shed_cold_start_hold_s": 120.0})
+    sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL), bridge=False)
+    await sup.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        sent: list[str] = []
+        deadline = asyncio.get_running_loop().time() + 120
+        while not sup.router.core.held(now_ms())[0]:  # it reads the requests topic from its end once it joins
+            assert asyncio.get_running_loop().time() < deadline, "the router never held a request"
+            rid = f"cold-{len(sent)}"
+            sent.append(rid)
+            request = InferenceRequest(request_id=rid, model=MODEL, prompt="x", sampling=SamplingParams(max_tokens=1),
+                                       reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+            await producer.send_and_wait(catalog.requests.name, encode(request), key=rid.encode())
+            await asyncio.sleep(1.0)
+        held = sup.router.core.held(now_ms())[0]
+    finally:
+        await producer.stop()
+        await sup.stop()
+    assert sup.router.counters["handed_back"] == held
+    consumer = make_consumer(settings, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(catalog.requests.name, p) for p in range(catalog.requests.partitions)]
+        consumer.assign(tps)
+        seen: list[str] = []
+        deadline = asyncio.get_running_loop().time() + 60
+        while sum(seen.count(rid) == 2 for rid in sent) < held:  # each held one: as sent, and handed back
+            assert asyncio.get_running_loop().time() < deadline, f"only {seen} on the requests topic"
+            for msgs in (await consumer.getmany(timeout_ms=500)).values():
+                seen += [m.key.decode() for m in msgs]
+    finally:
+        await consumer.stop()
+    twice = {rid for rid in sent if seen.count(rid) == 2}
+    assert len(twice) == held and all(seen.count(rid) in (1, 2) for rid in sent)
