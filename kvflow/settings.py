@@ -455,7 +455,8 @@ def _env_text(value: Any) -> str:
 def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:
     """``base`` (a process environment) changed so that a child process's
     ``Settings()`` equals ``settings``: every field that differs from its
-    default is set as its ``KVFLOW_*`` variable (optional fields as ``null``
+    default is set as its ``KVFLOW_*`` variable (or its alias, such as
+    ``CALF_TANSU_BIN``; optional fields as ``null``
     when None), and the variables of fields at their default are removed.
 
     So settings a parent set in code (``model_copy``), not only those it read
@@ -464,7 +465,8 @@ def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:
     """
     env = dict(base)
     for name, field in Settings.model_fields.items():
-        key = f"KVFLOW_{name.upper()}"
+        alias = field.validation_alias
+        key = alias if isinstance(alias, str) else f"KVFLOW_{name.upper()}"  # e.g. CALF_TANSU_BIN
         value = getattr(settings, name)
         if value == field.get_default(call_default_factory=True):
             env.pop(key, None)

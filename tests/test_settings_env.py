@@ -19,6 +19,7 @@ CHANGED = {
     "embedded_broker": True, "bootstrap_servers": "127.0.0.1:1", "shed_mode": "queue",
     "router_session_margin": None, "shed_cold_start_hold_s": 12.5, "api_keys": ("k1", "k2"),
     "kafka_sasl_plain_password": SecretStr("s3cret"), "vllm_speculative_config": {"method": "ngram", "n": 3},
+    "tansu_bin": "/opt/tansu",  # read from CALF_TANSU_BIN, its alias
 }
 
 
