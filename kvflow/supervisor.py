@@ -200,8 +200,9 @@ class Supervisor:
         """This process's environment with this deployment's settings in it
         (:func:`~kvflow.settings.settings_env`): a worker beats as often, announces
         the TTL and flushes its streams as this deployment's settings say, whether
-        they came from the environment or from code."""
-        return settings_env(self.settings, os.environ)
+        they came from the environment or from code. The bridge's API keys stay out:
+        workers serve no HTTP."""
+        return settings_env(self.settings.model_copy(update={"api_keys": ()}), os.environ)
 
     async def stop_worker(self, worker_id: str, timeout_s: float = 90.0) -> None:
         """Drain one worker (SIGTERM → it finishes in-flight work) and reap it."""

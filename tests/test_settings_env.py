@@ -45,3 +45,13 @@ def test_a_child_process_gets_the_settings_set_in_code():
 def test_null_sets_an_optional_field_to_none(monkeypatch):
     monkeypatch.setenv("KVFLOW_ROUTER_SESSION_MARGIN", "null")
     assert Settings().router_session_margin is None
+
+
+def test_worker_processes_get_the_deployments_settings_but_not_its_api_keys(monkeypatch):
+    from kvflow.supervisor import Supervisor, WorkerSpec
+
+    monkeypatch.setenv("KVFLOW_API_KEYS", "from-env")
+    settings = Settings().model_copy(update={"api_keys": ("k1",), "stream_flush_ms": 80, "worker_ttl_ms": 60_000})
+    env = Supervisor(settings, WorkerSpec(engine="mocker", model="m"), bridge=False)._worker_env()
+    assert "KVFLOW_API_KEYS" not in env
+    assert (env["KVFLOW_STREAM_FLUSH_MS"], env["KVFLOW_WORKER_TTL_MS"]) == ("80", "60000")
