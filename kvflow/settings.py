@@ -453,23 +453,21 @@ def _env_text(value: Any) -> str:
 
 
 def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:
-    """``base`` (a process environment) changed so that a child process's
-    ``Settings()`` equals ``settings``: every field that differs from its
-    default is set as its ``KVFLOW_*`` variable (or its alias, such as
-    ``CALF_TANSU_BIN``; optional fields as ``null``
-    when None), and the variables of fields at their default are removed.
+    """``base`` (a process environment) with every field of ``settings`` that
+    differs from its default set as its ``KVFLOW_*`` variable (or its alias,
+    such as ``CALF_TANSU_BIN``; optional fields as ``null`` when None).
 
     So settings a parent set in code (``model_copy``), not only those it read
-    from its own environment, reach the processes it starts. A child's CLI
-    flags still win over these variables.
+    from its own environment, reach the processes it starts. Variables of
+    fields at their default are passed through as they are, so a variable
+    set after ``settings`` was built still reaches the child (a field set
+    back to its default in code while the environment says otherwise follows
+    the environment). A child's CLI flags still win over these variables.
     """
     env = dict(base)
     for name, field in Settings.model_fields.items():
-        alias = field.validation_alias
-        key = alias if isinstance(alias, str) else f"KVFLOW_{name.upper()}"  # e.g. CALF_TANSU_BIN
         value = getattr(settings, name)
-        if value == field.get_default(call_default_factory=True):
-            env.pop(key, None)
-        else:
-            env[key] = _env_text(value)
+        if value != field.get_default(call_default_factory=True):
+            alias = field.validation_alias
+            env[alias if isinstance(alias, str) else f"KVFLOW_{name.upper()}"] = _env_text(value)  # alias: e.g. CALF_TANSU_BIN
     return env

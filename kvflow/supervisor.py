@@ -202,7 +202,9 @@ class Supervisor:
         the TTL and flushes its streams as this deployment's settings say, whether
         they came from the environment or from code. The bridge's API keys stay out:
         workers serve no HTTP."""
-        return settings_env(self.settings.model_copy(update={"api_keys": ()}), os.environ)
+        env = settings_env(self.settings.model_copy(update={"api_keys": ()}), os.environ)
+        env.pop("KVFLOW_API_KEYS", None)
+        return env
 
     async def stop_worker(self, worker_id: str, timeout_s: float = 90.0) -> None:
         """Drain one worker (SIGTERM → it finishes in-flight work) and reap it."""
