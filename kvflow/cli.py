@@ -27,12 +27,15 @@ from kvflow.cli_options import (
     DisaggMaxPrefillQueueOpt,
     DisaggThresholdOpt,
     DtypeOpt,
+    EmbeddedBrokerOpt,
     JoinOptions,
     KvCacheGbOpt,
     KvDiskGbOpt,
     KvHostGbOpt,
+    MetricsHostOpt,
     NamespaceOpt,
     PolicyOpt,
+    ProcessMetricsPortOpt,
     ShedOptions,
     StateFileOpt,
     check_policy,
@@ -339,13 +342,9 @@ def worker(
     dtype: DtypeOpt = "auto",
     compiled: CompileOpt = None,
     join: JoinOptions = JoinOptions(),
-    embedded_broker: Annotated[Optional[bool], typer.Option(
-        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(
-        min=0, max=65535, help="Serve this worker's Prometheus /metrics on this port (0: a free one; unset: "
-                               "none). [env: KVFLOW_METRICS_PORT]")] = None,
-    metrics_host: Annotated[Optional[str], typer.Option(
-        help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")] = None,
+    embedded_broker: EmbeddedBrokerOpt = None,
+    metrics_port: ProcessMetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run one worker process (normally started by `kvflow up`)."""
@@ -379,8 +378,7 @@ def bridge_cmd(
         exists=True, dir_okay=False, readable=True,
         help="API keys, one per line (also KVFLOW_API_KEYS). [env: KVFLOW_API_KEYS_FILE]")] = None,
     join: JoinOptions = JoinOptions(),
-    embedded_broker: Annotated[Optional[bool], typer.Option(
-        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
+    embedded_broker: EmbeddedBrokerOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run one more OpenAI-compatible HTTP bridge in front of a running deployment.
@@ -423,13 +421,9 @@ def router_cmd(
         help="Create the deployment's topics that do not exist yet (on a real cluster with "
              "KVFLOW_TOPIC_REPLICATION_FACTOR replicas).")] = True,
     join: JoinOptions = JoinOptions(),
-    embedded_broker: Annotated[Optional[bool], typer.Option(
-        "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(
-        min=0, max=65535, help="Serve this replica's Prometheus /metrics on this port (0: a free one; unset: "
-                               "none). [env: KVFLOW_METRICS_PORT]")] = None,
-    metrics_host: Annotated[Optional[str], typer.Option(
-        help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")] = None,
+    embedded_broker: EmbeddedBrokerOpt = None,
+    metrics_port: ProcessMetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = None,
     verbose: bool = False,
 ) -> None:
     """Run one router replica in front of a running deployment's workers.

@@ -38,6 +38,9 @@ __all__ = [
     "KvHostGbOpt",
     "NamespaceOpt",
     "PolicyOpt",
+    "EmbeddedBrokerOpt",
+    "ProcessMetricsPortOpt",
+    "MetricsHostOpt",
     "ShedKvThresholdOpt",
     "ShedModeOpt",
     "ShedPrefillTokenThresholdOpt",
@@ -79,6 +82,12 @@ NamespaceOpt = Annotated[Optional[str], typer.Option(
     help=env_help("namespace", "Topic name prefix (joining a deployment: the one it records)."))]
 PolicyOpt = Annotated[Optional[str], typer.Option(
     "--policy", help=env_help("routing_policy", "Routing policy: kv | approx | least_loaded | round_robin | random."))]
+EmbeddedBrokerOpt = Annotated[Optional[bool], typer.Option(
+    "--embedded-broker", help="The broker is kvflow's embedded Tansu. [env: KVFLOW_EMBEDDED_BROKER]")]
+ProcessMetricsPortOpt = Annotated[Optional[int], typer.Option(
+    min=0, max=65535, help="Serve this process's Prometheus /metrics on this port (0: a free one; unset: none). "
+                           "[env: KVFLOW_METRICS_PORT]")]
+MetricsHostOpt = Annotated[Optional[str], typer.Option(help="Address /metrics listens on. [env: KVFLOW_METRICS_HOST]")]
 DisaggThresholdOpt = Annotated[Optional[int], typer.Option(
     min=0, help=env_help("disagg_prefill_threshold_tokens",
                          "Disaggregated serving: prefill remotely only when the uncached prompt is longer than "
