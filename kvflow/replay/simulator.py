@@ -493,10 +493,14 @@ class Simulation:
         if not self._hop:
             fold(record)
             return
+        self._deliver_at(self.now_ms + self._hop, fold, record)
+
+    def _deliver_at(self, t: float, fold, record) -> None:
+        """``fold(record)`` from the event loop at simulated time ``t``."""
         self._seq += 1
         self._deliveries[self._seq] = (fold, record)
         self._foreground += 1
-        heapq.heappush(self._heap, (self.now_ms + self._hop, _DELIVER, self._seq, ""))
+        heapq.heappush(self._heap, (t, _DELIVER, self._seq, ""))
 
     def _admitted(self, w: SimWorker, request: GenerateRequest, prefill_tokens: int) -> None:
         """``w`` took ``request`` (its :class:`RequestAdmitted`, folded at once)."""
@@ -521,10 +525,7 @@ class Simulation:
         inside the worker step that finished this one."""
         self.core.on_request_finished(record)
         if self.core.queue:
-            self._seq += 1
-            self._deliveries[self._seq] = (self._release_freed, None)
-            self._foreground += 1
-            heapq.heappush(self._heap, (self.now_ms, _DELIVER, self._seq, ""))
+            self._deliver_at(self.now_ms, self._release_freed, None)
 
     def _release_freed(self, _: None) -> None:
         if not self._hop:
