@@ -398,6 +398,10 @@ async def test_smollm2_disaggregated_matches_aggregated_through_the_bridge(broke
                                                                                model=SMOL) == 1
     assert metric(after, "kvflow_prefill_local_total", model=SMOL) - metric(before, "kvflow_prefill_local_total",
                                                                              model=SMOL) == 1
+    # The long prompt was sent twice: the second time its chunks came from the tokenizer's cache.
+    cached = [float(v) for v in re.findall(r'^kvflow_bridge_tokenize_chars_total\{.*source="cache".*\} (\S+)$',
+                                           after, re.M)]
+    assert cached and sum(cached) > 0.8 * len(LONG_DOC)
     transfers = [ln for ln in after.splitlines() if ln.startswith("kvflow_kv_transfer_bytes_count")]
     assert transfers and sum(float(ln.split()[-1]) for ln in transfers) == 1
     assert metric(after, "kvflow_prefill_workers", model=SMOL) == 1

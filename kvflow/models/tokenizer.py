@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvflow.schemas import ChatMessage
+from kvflow.models.chunked_encode import ChunkCache, chunkable
 from kvflow.models.resolve import resolve_model
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HfTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
@@ -131,6 +132,8 @@ class HfTokenizer:
         self.vocab_size = len(self._tok)
         self.eos_token_ids = self._eos_ids()
         self._backend = self._rust_backend()
+        self.chunk_cache = ChunkCache() if self._backend is not None and chunkable(self._backend) else None
+        self._bare_specials = self.chunk_cache is not None and self._adds_no_specials()
 
     def _rust_backend(self) -> Any:
         """The ``tokenizers.Tokenizer`` behind a fast tokenizer, when calling it
@@ -153,7 +156,19 @@ class HfTokenizer:
             return None
         return backend
 
+    def _adds_no_specials(self) -> bool:
+        """True when ``add_special_tokens=True`` adds nothing (SmolLM2 adds no BOS)."""
+        probe = "Hello world"
+        return self._backend.encode(probe, add_special_tokens=True).ids == \
+            self._backend.encode(probe, add_special_tokens=False).ids
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.chunk_cache is not None and (not add_special_tokens or self._bare_specials) \
+                and hasattr(self._backend, "encode_batch_fast"):
+            return self.chunk_cache.encode(text, self._encode_batch)
         if self._backend is not None:
             fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
             if fast is not None:

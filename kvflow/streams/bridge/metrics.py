@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvflow.schemas import (
@@ -126,6 +126,7 @@ class BridgeMetrics:
         self.kv_seconds = Histogram("kvflow_kv_transfer_seconds", "Duration of the KV pull of a remote prefill.",
                                     ["backend"], buckets=_KV_SECONDS_BUCKETS, registry=r)
         self._tracking: WorkerRegistry | None = None
+        self._tracking_tokenizers = False
 
     def track_workers(self, workers: WorkerRegistry) -> None:
         """Expose ``kvflow_prefill_queue_depth`` (per model: waiting requests
@@ -135,6 +136,17 @@ class BridgeMetrics:
         if self._tracking is None:
             self._tracking = workers
             self.registry.register(_PrefillPoolCollector(workers))
+
+    def track_tokenizers(self, loaded: Callable[[], dict]) -> None:
+        """Expose ``kvflow_bridge_tokenize_chars_total{tokenizer, source}``:
+        prompt characters taken from a tokenizer's chunk cache
+        (``source="cache"``) or encoded (``"encoded"``), read at each scrape
+        from ``loaded() -> {spec: tokenizer}`` (see
+        :mod:`kvflow.models.chunked_encode`; tokenizers without a chunk cache
+        are left out). Call once; later calls are ignored."""
+        if not self._tracking_tokenizers:
+            self._tracking_tokenizers = True
+            self.registry.register(_ChunkCacheCollector(loaded))
 
     def observe_final(self, model: str, final: FinalResponse) -> None:
         """Count where a successful request's prefill ran and how its KV moved."""
@@ -147,6 +159,24 @@ class BridgeMetrics:
         self.prefill_remote.labels(model).inc()
         self.kv_bytes.labels(transfer.backend).observe(transfer.num_bytes)
         self.kv_seconds.labels(transfer.backend).observe(transfer.transfer_ms / 1000)
+
+
+class _ChunkCacheCollector(Collector):
+    """Scrape-time counters of the tokenizers' chunk caches."""
+
+    def __init__(self, loaded: Callable[[], dict]) -> None:
+        self.loaded = loaded
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        chars = CounterMetricFamily("kvflow_bridge_tokenize_chars",
+                                    "Prompt characters tokenized, by whether their chunk came from the cache.",
+                                    labels=["tokenizer", "source"])
+        for spec, tok in sorted(self.loaded().items()):
+            cache = getattr(tok, "chunk_cache", None)
+            if cache is not None:
+                chars.add_metric([spec, "cache"], float(cache.hit_chars))
+                chars.add_metric([spec, "encoded"], float(cache.miss_chars))
+        yield chars
 
 
 class _PrefillPoolCollector(Collector):

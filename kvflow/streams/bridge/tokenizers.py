@@ -53,6 +53,10 @@ class TokenizerCache:
         self._loaded[spec] = tok
         return tok
 
+    def loaded(self) -> dict[str, Any]:
+        """The tokenizers loaded so far, by spec (a copy)."""
+        return dict(self._loaded)
+
 
 async def encode_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
     """``tokenizer.encode_chat(messages)`` in a thread; returns ids, shape [ISL]."""
