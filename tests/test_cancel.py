@@ -186,7 +186,7 @@ async def test_non_streaming_client_gone_before_the_answer_aborts_the_request(cl
     assert get("kvflow_bridge_requests_total", {"endpoint": "completions", "status": "499"}) == 1
 
 
-async def test_finished_requests_send_no_cancel(cluster, bridge):
+async def test_finished_requests_send_no_cancel(cluster, bridge, waiter):
     _, _, workers, _ = cluster
     url, state = bridge
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -196,11 +196,25 @@ async def test_finished_requests_send_no_cancel(cluster, bridge):
         assert lines[-1] == "data: [DONE]"
         reply = await http.post("/v1/chat/completions", json={**long_chat(stream=False), "max_tokens": 6})
         assert reply.json()["choices"][0]["finish_reason"] == "length"
-    await asyncio.sleep(0.5)  # time for a (wrong) cancel to be sent and read by the workers
-    get = state.metrics.registry.get_sample_value
-    assert get("kvflow_bridge_cancels_total", {"endpoint": "chat", "result": "sent"}) is None
+        get = state.metrics.registry.get_sample_value
+        assert get("kvflow_bridge_cancels_total", {"endpoint": "chat", "result": "sent"}) is None
+
+        # A marker: a third request whose client goes away sends the one cancel this test expects.
+        # The bridge sends cancels in order and every worker reads them in order, so once both
+        # workers have seen the marker's cancel, a (wrong) cancel of the two finished requests
+        # would have reached them before it.
+        post = asyncio.create_task(http.post("/v1/chat/completions", json=long_chat(stream=False)))
+        (busy,) = await waiter(lambda: [w for w in workers if w.inflight])
+        (marker,) = list(busy.inflight)
+        await waiter(lambda: busy.engine.kv_stats().active_requests == 1)
+        post.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
+    (idle,) = [w for w in workers if w is not busy]
+    await waiter(lambda: busy.aborted == 1 and marker in idle.early_cancels)
+    assert get("kvflow_bridge_cancels_total", {"endpoint": "chat", "result": "sent"}) == 1
     assert get("kvflow_bridge_requests_total", {"endpoint": "chat", "status": "200"}) == 2
-    assert [len(w.early_cancels) for w in workers] == [0, 0]
+    assert list(idle.early_cancels) == [marker] and not busy.early_cancels
 
 
 # ---------------------------------------------------------------- Kafka-native client

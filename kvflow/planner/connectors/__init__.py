@@ -138,6 +138,11 @@ class ConnectorService:
         await self.consumer.position(self.tp)
         self._task = asyncio.create_task(self.run(), name=f"connector-{self.connector.name}")
 
+    @property
+    def idle(self) -> bool:
+        """True when no accepted command waits for its pool's applier or is being applied."""
+        return not self._queued and not self._applying
+
     async def stop(self, timeout_s: float = 120.0) -> None:
         """Stop reading, let applies in progress finish (up to ``timeout_s``), close clients."""
         await cancel_and_wait(self._task)
