@@ -23,6 +23,10 @@ Starts an embedded Tansu broker (memory storage) and measures its CPU time
    p50 and largest time from produce to the record in the consumer's hands
    (the broker re-checks a parked fetch on a halving timer, so a record
    waits for the next check).
+4. ``produce_fetch_ms_by_size``: broker CPU ms to take one record of each
+   ``--sizes`` bytes and hand it to a consumer tailing the partition (a
+   fresh partition per size), e.g. a request record with a long prompt's
+   token ids.
 
 psutil's CPU times tick in 10 ms steps, so figures are means over
 ``--samples`` requests.
@@ -125,6 +129,36 @@ async def grow_single(prod: AIOKafkaProducer, tp: TopicPartition, n: int) -> Non
         await prod.send_and_wait(tp.topic, VALUE, partition=tp.partition)
 
 
+async def produce_fetch_by_size(broker: psutil.Process, bootstrap: str, prod: AIOKafkaProducer, sizes: list[int],
+                                samples: int) -> dict:
+    """Broker CPU ms per record of each size, produced and fetched back from the tail."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(f"size-{size}", 1, 1) for size in sizes])
+    finally:
+        await admin.close()
+    out = {}
+    for size in sizes:
+        cons = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=40,
+                                max_partition_fetch_bytes=4 * max(sizes))
+        await cons.start()
+        try:
+            tp = TopicPartition(f"size-{size}", 0)
+            cons.assign([tp])
+            await cons.seek_to_end(tp)
+            value = b"x" * size
+            c0 = cpu_s(broker)
+            for _ in range(samples):
+                await prod.send_and_wait(tp.topic, value, partition=0)
+                while not (await cons.getmany(tp, timeout_ms=1000)).get(tp):
+                    pass
+            out[size] = round(1000 * (cpu_s(broker) - c0) / samples, 3)
+        finally:
+            await cons.stop()
+    return out
+
+
 async def recreate_topic(bootstrap: str, topic: str, partitions: int) -> None:
     """Delete ``topic`` and create it again, empty, with ``partitions`` partitions."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -149,7 +183,8 @@ async def run(args: argparse.Namespace) -> dict:
         for wait in args.waits:
             ms, pct = await empty_fetch(broker, b.bootstrap_servers, wait, max(10, args.samples // 10))
             out["empty_fetch_ms"][wait], out["broker_pct_of_core_long_polling"][wait] = ms, pct
-        prod = AIOKafkaProducer(bootstrap_servers=b.bootstrap_servers, linger_ms=0)
+        prod = AIOKafkaProducer(bootstrap_servers=b.bootstrap_servers, linger_ms=0,
+                                max_request_size=max(1 << 20, 2 * max(args.sizes, default=0)))
         cons = AIOKafkaConsumer(bootstrap_servers=b.bootstrap_servers, enable_auto_commit=False,
                                 fetch_max_wait_ms=500)
         await prod.start()
@@ -174,6 +209,9 @@ async def run(args: argparse.Namespace) -> dict:
                 await recreate_topic(b.bootstrap_servers, "tail", 3)
                 cons.assign([single])
                 out["tail_fetch_ms"]["recreated_topic"] = await tail_fetch(broker, prod, cons, single, args.samples)
+            if args.sizes:
+                out["produce_fetch_ms_by_size"] = await produce_fetch_by_size(
+                    broker, b.bootstrap_servers, prod, args.sizes, max(20, args.samples // 2))
         finally:
             await prod.stop()
             await cons.stop()
@@ -188,6 +226,8 @@ def main() -> None:
                     help="records appended one batch each before the third tail measurement (0: skip)")
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--waits", type=int, nargs="+", default=[10, 40, 200, 1000], help="fetch max-waits (ms)")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1_000, 110_000, 220_000],
+                    help="record sizes (bytes) for produce_fetch_ms_by_size (none: skip)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))))
 

@@ -40,8 +40,8 @@ share more of a prefix that ends mid-chunk but cost a cache entry each; at
 512–8192 characters the cold encode of a 27k-token prompt cost the same."""
 
 CACHE_CHARS = 8 << 20
-"""Characters of chunk text the cache keeps (8 Mi ≈ 2M tokens): the text plus
-4 bytes per token id, about 16 MiB."""
+"""Characters of chunk text the cache keeps (8 Mi ≈ 2M tokens of English): the
+text (1–4 bytes per character, by script) plus 4 bytes per token id, 16–40 MiB."""
 
 
 def safe_cuts(text: str, every: int = CHUNK_CHARS) -> list[int]:

@@ -20,6 +20,10 @@ scrape-time gauge of the prefill pool's queue depth from the bridge's worker
 registry. ``kvflow_bridge_cancels_total`` counts the cancel records sent for
 requests whose client disconnected before the final response
 (:mod:`kvflow.streams.bridge.disconnect`).
+``kvflow_bridge_tokenize_chars_total{tokenizer, source}`` counts prompt
+characters whose ids came from a tokenizer's chunk cache (``cache``) or were
+encoded (``encoded``): the share a resent chat history saves
+(:mod:`kvflow.models.chunked_encode`).
 
 ``kvflow_bridge_outcomes_total{endpoint, outcome, reason}`` gives every
 request its one terminal outcome (:func:`outcome`): ``completed`` (reason:
