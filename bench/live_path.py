@@ -15,7 +15,10 @@ processes) as a child process group, then:
    (``started_ms − queued_ms``), engine to first token
    (``first_token_ms − started_ms``), and records on the responses topic;
    and from the bridge's /metrics its own TTFT and the time from body read to
-   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing).
+   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing),
+   the router's decision time (``router_decision_ms``, its wait for KV events
+   included; ``router_kv_waits`` counts those waits) and the share of prompt
+   characters the tokenizer's chunk cache served (``tokenize_chars_from_cache``).
 
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
@@ -227,6 +230,22 @@ def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
             "p99_le": quantile(0.99)}
 
 
+def counter_totals(url: str, name: str, label: str) -> dict[str, float]:
+    """Sum of the ``name`` samples on ``url``'s /metrics by the value of ``label``
+    (e.g. the router's ``kvflow_router_events`` by ``event``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if fam.name != name:
+            continue
+        for sample in fam.samples:
+            if sample.name.endswith("_total") and label in sample.labels:
+                key = sample.labels[label]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def py_spy(procs: dict[str, list[psutil.Process]], out_dir: Path, seconds: int) -> list[subprocess.Popen]:
     """Start py-spy flame-graph recordings of the bridge+router process and the first worker."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,6 +331,11 @@ def main() -> None:
         result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
         result["bridge_ttft_ms"] = bridge_ttft(url)
         result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
+        result["router_decision_ms"] = bridge_ttft(url, "kvflow_router_decision_seconds")
+        events = counter_totals(url, "kvflow_router_events", "event")
+        result["router_kv_waits"] = {k: events.get(k) for k in ("kv_waits", "kv_wait_timeouts")}
+        chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
+        result["tokenize_chars_from_cache"] = round(chars.get("cache", 0) / sum(chars.values()), 3) if chars else None
         result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
         result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:
