@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from kvflow.models.chunked_encode import ChunkCache, chunkable, safe_cuts
 from kvflow.models.tokenizer import HfTokenizer, load_tokenizer
@@ -139,3 +139,5 @@ def test_only_byte_level_bpe_without_normalizer_is_chunked(smollm2):
     plain = Tokenizer(models.BPE())
     plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     assert chunkable(plain)
+    plain.add_special_tokens([AddedToken("<sep>", rstrip=True)])  # would eat the space a cut starts with
+    assert not chunkable(plain)

@@ -14,7 +14,7 @@ CPU for that prompt).
 Exactness: the concatenated chunk ids equal the whole text's ids when the
 tokenizer is byte-level BPE with the GPT-2 pre-tokenizer regex
 (``ByteLevel(use_regex=True, add_prefix_space=False)``), has no normalizer and
-no added token containing a space: that regex never lets a piece run across
+no added token that holds a space or strips the spaces beside it: that regex never lets a piece run across
 a space standing between two letters, whose right side always starts the
 piece ``" word"`` (the ``" ?\\p{L}+"`` branch) and whose left side ends a
 letter run, and BPE merges never cross pieces (Radford et al. 2019, GPT-2's
@@ -83,7 +83,10 @@ def chunkable(backend: Any) -> bool:
         return False
     if (spec.get("model") or {}).get("type") != "BPE" or (spec.get("model") or {}).get("dropout"):
         return False
-    return not any(" " in str(tok.get("content", "")) for tok in spec.get("added_tokens") or ())
+    # An added token is split out before pre-tokenizing; one holding a space, or one that swallows
+    # the spaces beside it (lstrip/rstrip), could match across a cut.
+    return not any(" " in str(tok.get("content", "")) or tok.get("lstrip") or tok.get("rstrip")
+                   for tok in spec.get("added_tokens") or ())
 
 
 @dataclass
