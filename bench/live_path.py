@@ -15,10 +15,11 @@ processes) as a child process group, then:
    (``started_ms − queued_ms``), engine to first token
    (``first_token_ms − started_ms``), and records on the responses topic;
    and from the bridge's /metrics its own TTFT and the time from body read to
-   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing),
-   the router's decision time (``router_decision_ms``, its wait for KV events
-   included; ``router_kv_waits`` counts those waits) and the share of prompt
-   characters the tokenizer's chunk cache served (``tokenize_chars_from_cache``).
+   request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing)
+   and the share of prompt characters the tokenizer's chunk cache served
+   (``tokenize_chars_from_cache``);
+4. the CPU per 1,000 output tokens per ``--window-s`` window of the load, to
+   show a cost that grows as the run goes on (e.g. the broker's with its log).
 
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
@@ -230,9 +231,21 @@ def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
             "p99_le": quantile(0.99)}
 
 
+def output_tokens_so_far(url: str) -> float:
+    """Output tokens of the requests the bridge finished so far (its OSL histogram's sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(sample.value for fam in text_string_to_metric_families(text) if fam.name == "kvflow_bridge_osl_tokens"
+               for sample in fam.samples if sample.name.endswith("_sum"))
+
+
 def counter_totals(url: str, name: str, label: str) -> dict[str, float]:
-    """Sum of the ``name`` samples on ``url``'s /metrics by the value of ``label``
-    (e.g. the router's ``kvflow_router_events`` by ``event``)."""
+    """Sum of the ``name`` counter's samples on ``url``'s /metrics by the value
+    of ``label`` (e.g. ``kvflow_bridge_tokenize_chars`` by ``source``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -273,6 +286,8 @@ def main() -> None:
     ap.add_argument("--py-spy-dir", type=Path, default=None)
     ap.add_argument("--py-spy-s", type=int, default=60)
     ap.add_argument("--max-input-length", type=int, default=None)
+    ap.add_argument("--window-s", type=float, default=30.0,
+                    help="window of cpu_s_per_1k_output_tokens_by_window (CPU over output tokens finished)")
     ap.add_argument("--aiperf-arg", action="append", default=[],
                     help="Extra `aiperf profile` argument (repeatable), e.g. --aiperf-arg=--request-timeout-seconds=60")
     args = ap.parse_args()
@@ -312,8 +327,20 @@ def main() -> None:
             cmd += ["--max-input-length", str(args.max_input_length)]
         if args.aiperf_arg:
             cmd += ["--", *args.aiperf_arg]
-        rc = subprocess.call(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
+        runner = subprocess.Popen(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
+        windows = []  # CPU per group per 1,000 output tokens finished in each window: does a cost grow?
+        w_cpu, w_tokens = c0, output_tokens_so_far(url)
+        while True:
+            try:
+                rc = runner.wait(timeout=args.window_s)
+                break
+            except subprocess.TimeoutExpired:
+                cpu, tokens = cpu_seconds(procs), output_tokens_so_far(url)
+                if tokens > w_tokens:
+                    windows.append({k: round(1000 * v / (tokens - w_tokens), 3) for k, v in delta(w_cpu, cpu).items()})
+                w_cpu, w_tokens = cpu, tokens
         load_s = time.monotonic() - t0
+        result["cpu_s_per_1k_output_tokens_by_window"] = windows
         load = delta(c0, cpu_seconds(procs))
         for spy in spies:
             spy.wait(timeout=args.py_spy_s + 60)
@@ -331,9 +358,6 @@ def main() -> None:
         result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
         result["bridge_ttft_ms"] = bridge_ttft(url)
         result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
-        result["router_decision_ms"] = bridge_ttft(url, "kvflow_router_decision_seconds")
-        events = counter_totals(url, "kvflow_router_events", "event")
-        result["router_kv_waits"] = {k: events.get(k) for k in ("kv_waits", "kv_wait_timeouts")}
         chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
         result["tokenize_chars_from_cache"] = round(chars.get("cache", 0) / sum(chars.values()), 3) if chars else None
         result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
