@@ -132,7 +132,8 @@ class HfTokenizer:
         self.vocab_size = len(self._tok)
         self.eos_token_ids = self._eos_ids()
         self._backend = self._rust_backend()
-        self.chunk_cache = ChunkCache() if self._backend is not None and chunkable(self._backend) else None
+        self.chunk_cache = ChunkCache() if self._backend is not None and hasattr(self._backend, "encode_batch_fast") \
+            and chunkable(self._backend) else None
         self._bare_specials = self.chunk_cache is not None and self._adds_no_specials()
 
     def _rust_backend(self) -> Any:
@@ -166,8 +167,7 @@ class HfTokenizer:
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.chunk_cache is not None and (not add_special_tokens or self._bare_specials) \
-                and hasattr(self._backend, "encode_batch_fast"):
+        if self.chunk_cache is not None and (not add_special_tokens or self._bare_specials):
             return self.chunk_cache.encode(text, self._encode_batch)
         if self._backend is not None:
             fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
