@@ -200,26 +200,29 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
     return asyncio.run(main())
 
 
+def samples(url: str, name: str) -> list:
+    """The samples of the metric family ``name`` on ``url``'s /metrics (empty when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return [sample for fam in text_string_to_metric_families(text) if fam.name == name for sample in fam.samples]
+
+
 def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
     """Mean and bucket-estimated p50/p99 (ms) of one of the bridge's latency
     histograms, from its /metrics: by default its own TTFT (body read → first
     token written); ``kvflow_bridge_prepare_seconds`` is body read → request
     record built (parsing, chat template, tokenizing)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     buckets: dict[float, float] = {}
     total = count = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if fam.name != name.removesuffix("_seconds") and fam.name != name:
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_bucket"):
-                le = float(sample.labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-            elif sample.name.endswith("_sum"):
-                total += sample.value
-            elif sample.name.endswith("_count"):
-                count += sample.value
+    for sample in samples(url, name):
+        if sample.name.endswith("_bucket"):
+            le = float(sample.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + sample.value
+        elif sample.name.endswith("_sum"):
+            total += sample.value
+        elif sample.name.endswith("_count"):
+            count += sample.value
 
     def quantile(q: float) -> float | None:
         for le in sorted(buckets):
@@ -233,29 +236,20 @@ def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
 
 def output_tokens_so_far(url: str) -> float:
     """Output tokens of the requests the bridge finished so far (its OSL histogram's sum)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        found = samples(url, "kvflow_bridge_osl_tokens")
     except httpx.HTTPError:
         return 0.0
-    return sum(sample.value for fam in text_string_to_metric_families(text) if fam.name == "kvflow_bridge_osl_tokens"
-               for sample in fam.samples if sample.name.endswith("_sum"))
+    return sum(sample.value for sample in found if sample.name.endswith("_sum"))
 
 
 def counter_totals(url: str, name: str, label: str) -> dict[str, float]:
     """Sum of the ``name`` counter's samples on ``url``'s /metrics by the value
     of ``label`` (e.g. ``kvflow_bridge_tokenize_chars`` by ``source``)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if fam.name != name:
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_total") and label in sample.labels:
-                key = sample.labels[label]
-                out[key] = out.get(key, 0.0) + sample.value
+    for sample in samples(url, name):
+        if sample.name.endswith("_total") and label in sample.labels:
+            out[sample.labels[label]] = out.get(sample.labels[label], 0.0) + sample.value
     return out
 
 
