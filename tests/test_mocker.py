@@ -12,7 +12,7 @@ import pytest
 from kvflow.schemas.block_hash import compute_block_hashes
 from kvflow.schemas import BlockStored, FinishReason, SamplingParams
 from kvflow.workers.engines.base import EngineConfig, EngineError, GenerateRequest
-from kvflow.workers.engines.mocker import MockerEngine
+from kvflow.workers.engines.mocker import MockerEngine, StepClock
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore
 
 
@@ -430,3 +430,46 @@ def test_engine_identity_and_config():
         assert engine.config.vocab_size == engine.tokenizer.vocab_size  # every output id decodes
         explicit = MockerEngine.from_engine_config(EngineConfig(extra={"vocab_size": 1000}))
         assert explicit.config.vocab_size == 1000
+
+
+def test_step_clock_paces_back_to_back_steps_from_the_previous_end():
+    clock = StepClock(max_catch_up_s=0.02)
+    assert clock.next_end(10.0, 0.008) == pytest.approx(10.008)  # first step: starts when computed
+    # Computed 3 ms late (the core's own time, a busy loop): still ends 8 ms after the last end.
+    assert clock.next_end(10.011, 0.008) == pytest.approx(10.016)
+    # Computed exactly on time.
+    assert clock.next_end(10.016, 0.010) == pytest.approx(10.026)
+    # A stall longer than the catch-up bound is not made up.
+    assert clock.next_end(10.5, 0.008) == pytest.approx(10.508)
+    # After idling, the next step starts when computed, however soon.
+    clock.idle()
+    assert clock.next_end(10.509, 0.008) == pytest.approx(10.517)
+
+
+async def test_live_engine_steps_keep_the_modelled_pace_on_a_late_loop():
+    """The consumer blocks the loop 12 ms after every output, longer than a ~6 ms
+    decode step, so every step is computed late; each still ends one modelled
+    duration after the previous end instead of one duration after it was computed."""
+    engine = MockerEngine(MockerConfig(block_size=16))
+    engine._clock = StepClock(max_catch_up_s=3600.0)  # make up any lateness, however loaded the machine
+    steps: list[tuple[float, float, float]] = []
+    next_end = engine._clock.next_end
+
+    def recording(computed_s: float, duration_s: float) -> float:
+        steps.append((computed_s, duration_s, next_end(computed_s, duration_s)))
+        return steps[-1][2]
+
+    engine._clock.next_end = recording
+    await engine.start()
+    try:
+        async for _ in engine.generate(req("a", prompt(64), 20)):
+            time.sleep(0.012)  # the worker's own work on the same loop
+    finally:
+        await engine.stop()
+    assert len(steps) == 20
+    assert steps[0][2] == pytest.approx(steps[0][0] + steps[0][1])
+    late = 0
+    for (computed, duration, end), (_, _, prev_end) in zip(steps[1:], steps):
+        assert end == pytest.approx(prev_end + duration)
+        late += computed - prev_end > 0.001
+    assert late >= 10, f"only {late} of 19 steps were computed late; the loop was not blocked as meant"

@@ -7,6 +7,13 @@ real engine with Dynamo's timing model would produce them. Requests added
 during a sleep join at the next step, as they would on a GPU busy with the
 current batch. ``sleep`` is injectable so tests can run faster than real time.
 
+On the wall clock, back-to-back steps are paced by :class:`StepClock`: a
+step ends its modelled duration after the previous step's end, so the
+core's own Python time and the event loop's lateness (the worker also
+decodes fetches, detokenizes and produces deltas on that loop) do not add
+to every step. A real engine's steps do not wait for the worker's loop
+either (vLLM's engine core runs in its own process).
+
 Disaggregated serving: :meth:`MockerEngine.prefill` runs a request with
 ``max_tokens = 1`` and reports the KV size a real transfer would move
 (``ISL × kv_bytes_per_token``); no bytes exist. :meth:`MockerEngine.generate_from_kv`
@@ -45,9 +52,44 @@ from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepRes
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 from kvflow.workers.kv.tiers import tier_metrics
 
-__all__ = ["MockerEngine"]
+__all__ = ["MockerEngine", "StepClock", "MAX_CATCH_UP_S"]
 
 Sleep = Callable[[float], Awaitable[None]]
+
+MAX_CATCH_UP_S = 0.02
+"""Most lateness of the event loop a step makes up, seconds. A longer stall
+(a GC pause, a starved process) is not made up in a burst of short steps:
+the next step starts when it is computed. 20 ms is about two decode steps
+of the default timing model. A request that arrives while the loop is late
+joins the step that makes up the lateness, so it may gain up to this much
+on a real engine, where it would wait for the following step."""
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Wall-clock pacing of a mocker's back-to-back steps.
+
+    A modelled step starts where the previous one ended, as a GPU's next
+    step would, unless the step is computed more than ``max_catch_up_s``
+    after that end or the engine was idle in between; then it starts when
+    computed. Times are :func:`time.monotonic` seconds.
+    """
+
+    max_catch_up_s: float = MAX_CATCH_UP_S
+    end_s: float | None = None
+    """End of the last step; None after :meth:`idle` (nothing to follow)."""
+
+    def next_end(self, computed_s: float, duration_s: float) -> float:
+        """End of a step of ``duration_s`` seconds computed at ``computed_s``."""
+        start = computed_s
+        if self.end_s is not None and computed_s - self.end_s <= self.max_catch_up_s:
+            start = self.end_s
+        self.end_s = start + duration_s
+        return self.end_s
+
+    def idle(self) -> None:
+        """The engine ran out of work: the next step starts when computed."""
+        self.end_s = None
 
 
 def _load_bytes_tokenizer():
@@ -68,8 +110,8 @@ class MockerEngine(Engine):
         model_name: reported model name.
         tokenizer: tokenizer spec (``bytes``, or a local HF model directory
             for prompt lengths and output text in that model's tokens).
-        sleep: awaited with each step's duration in seconds; defaults to
-            :func:`asyncio.sleep` (wall clock).
+        sleep: awaited with each step's duration in seconds; None (the
+            default) sleeps on the wall clock, steps paced by a :class:`StepClock`.
 
     ``tokenizer`` is the byte-level tokenizer from
     ``kvflow.models.tokenizer.load_tokenizer("bytes")``, or None when that
@@ -86,7 +128,7 @@ class MockerEngine(Engine):
         *,
         worker_id: str = "mocker",
         model_name: str = "mocker",
-        sleep: Sleep = asyncio.sleep,
+        sleep: Sleep | None = None,
         tokenizer: str = "bytes",
     ) -> None:
         self.config = config or MockerConfig()
@@ -107,6 +149,7 @@ class MockerEngine(Engine):
             self.tokenizer = load_tokenizer(tokenizer)
             self._text_ids = range(min(self.config.vocab_size, self.tokenizer.vocab_size))
         self._sleep = sleep
+        self._clock = StepClock()
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -164,19 +207,22 @@ class MockerEngine(Engine):
         core = self.core
         while True:
             if not core.has_work():
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             # The wall clock ages the KV tiers' reuse frequencies (idle time included).
-            result = core.step(now_ms=time.monotonic() * 1000.0)
+            computed_s = time.monotonic()
+            result = core.step(now_ms=computed_s * 1000.0)
             if not result.outputs and result.duration_ms == 0.0:
                 # Nothing could be scheduled; wait for a new request or an abort.
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             self._in_flight = result
             try:
-                await self._sleep(result.duration_ms / 1000.0)
+                if self._sleep is None:
+                    end_s = self._clock.next_end(computed_s, result.duration_ms / 1000.0)
+                    await asyncio.sleep(max(0.0, end_s - time.monotonic()))
+                else:
+                    await self._sleep(result.duration_ms / 1000.0)
             finally:
                 self._in_flight = None
             for request_id, output in result.outputs.items():
@@ -186,6 +232,11 @@ class MockerEngine(Engine):
                     if output.finish_reason is not None:
                         del self._queues[request_id]
             self.emit_kv_events(result.kv_events)
+
+    async def _idle(self) -> None:
+        self._clock.idle()
+        self._wake.clear()
+        await self._wake.wait()
 
     # ---- requests ------------------------------------------------------
 
@@ -249,7 +300,7 @@ class MockerEngine(Engine):
         reused = self.core.cached_prompt_tokens(request)
         moved = num_prompt - reused
         duration_ms = kv_transfer_time_ms(cfg, moved) / cfg.speedup_ratio
-        await self._sleep(duration_ms / 1000.0)
+        await (self._sleep or asyncio.sleep)(duration_ms / 1000.0)
         num_blocks = -(-num_prompt // cfg.block_size)
         handoff.record_simulated(moved * cfg.kv_bytes_per_token, duration_ms,
                                  num_blocks - reused // cfg.block_size, reused // cfg.block_size)
