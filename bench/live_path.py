@@ -58,7 +58,8 @@ def pct(values: list[float], q: float) -> float | None:
 
 def groups(up: psutil.Process) -> dict[str, list[psutil.Process]]:
     """The deployment's processes by role: ``broker``, ``bridge_router`` (the
-    `kvflow up` process itself), ``workers``."""
+    `kvflow up` process itself and its other children, e.g. the bridge's
+    tokenize pool), ``workers``."""
     out: dict[str, list[psutil.Process]] = {"broker": [], "bridge_router": [up], "workers": []}
     for child in up.children(recursive=True):
         try:
@@ -69,13 +70,17 @@ def groups(up: psutil.Process) -> dict[str, list[psutil.Process]]:
             out["broker"].append(child)
         elif "kvflow worker" in cmd:
             out["workers"].append(child)
+        else:
+            out["bridge_router"].append(child)
     return out
 
 
-def cpu_seconds(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
-    """User + system CPU seconds so far, per group."""
+def cpu_seconds(up: psutil.Process) -> dict[str, float]:
+    """User + system CPU seconds so far, per group of :func:`groups`, found
+    anew at each call: a process started since the last call (a restarted
+    tokenize pool child) counts whole, one that exited since is lost."""
     out = {}
-    for name, members in procs.items():
+    for name, members in groups(up).items():
         total = 0.0
         for p in members:
             try:
@@ -303,17 +308,19 @@ def main() -> None:
                     "speedup_ratio": args.speedup_ratio, "policy": args.policy}
     try:
         wait_healthy(url, up)
-        procs = groups(psutil.Process(up.pid))
         state = json.loads((work / "up.json").read_text())
         time.sleep(args.settle_s)
-        c0 = cpu_seconds(procs)
+        up_proc = psutil.Process(up.pid)
+        c0 = cpu_seconds(up_proc)
         time.sleep(args.idle_s)
-        idle = delta(c0, cpu_seconds(procs))
+        idle = delta(c0, cpu_seconds(up_proc))
+        procs = groups(up_proc)
+        result["processes"] = {name: len(members) for name, members in procs.items()}
         result["idle_cpu_pct_of_one_core"] = round(100 * sum(idle.values()) / args.idle_s, 2)
         result["idle_cpu_s"] = idle
 
         spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
-        c0 = cpu_seconds(procs)
+        c0 = cpu_seconds(up_proc)
         t0 = time.monotonic()
         cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
                "--artifact-dir", str(work / "aiperf")]
@@ -329,13 +336,13 @@ def main() -> None:
                 rc = runner.wait(timeout=args.window_s)
                 break
             except subprocess.TimeoutExpired:
-                cpu, tokens = cpu_seconds(procs), output_tokens_so_far(url)
+                cpu, tokens = cpu_seconds(up_proc), output_tokens_so_far(url)
                 if tokens > w_tokens:
                     windows.append({k: round(1000 * v / (tokens - w_tokens), 3) for k, v in delta(w_cpu, cpu).items()})
                 w_cpu, w_tokens = cpu, tokens
         load_s = time.monotonic() - t0
         result["cpu_s_per_1k_output_tokens_by_window"] = windows
-        load = delta(c0, cpu_seconds(procs))
+        load = delta(c0, cpu_seconds(up_proc))
         for spy in spies:
             spy.wait(timeout=args.py_spy_s + 60)
         export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
