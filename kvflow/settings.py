@@ -175,6 +175,13 @@ class Settings(BaseSettings):
     with ``Retry-After`` before their body is read, which bounds the bridge's
     memory under overload. Defaults to 1024."""
 
+    bridge_tokenize_processes: int = Field(default=2, ge=0)
+    """Child processes in which a bridge tokenizes prompts of Hugging Face
+    tokenizers (:mod:`kvflow.streams.bridge.tokenize_pool`); 0: threads of the
+    bridge's own process, where they wait for its interpreter lock under
+    load. Two, so a burst of long prompts is not encoded one after another
+    (docs/benchmarks.md, "Tokenizing in processes of their own"). Defaults to 2."""
+
     max_migrations: int = Field(default=3, ge=0)
     """How often a client (the bridge included) resubmits a request whose worker
     was lost mid-request, with the output delivered so far appended, before

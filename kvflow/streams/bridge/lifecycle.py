@@ -20,6 +20,7 @@ from kvflow.settings import Settings
 from kvflow.streams.bridge.metrics import MetricsPublisher
 from kvflow.streams.bridge.responses_log import ResponsesLog
 from kvflow.streams.bridge.state import BridgeState
+from kvflow.streams.bridge.tokenize_pool import TokenizePool
 from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
 from kvflow.streams.bridge.worker_registry import ModelState, WorkerRegistry
 from kvflow.streams.catalog import Catalog
@@ -83,7 +84,10 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
 
         follower = asyncio.create_task(follow_workers(consumer, apply), name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
-        tokenizers = TokenizerCache()
+        pool = TokenizePool(settings.bridge_tokenize_processes) if settings.bridge_tokenize_processes else None
+        if pool is not None:
+            stack.push_async_callback(pool.close)
+        tokenizers = TokenizerCache(pool=pool)
         warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()
                                                                  if (s := registry.tokenizer_spec(m))]),
                                    name="kvflow-bridge-tokenizers")

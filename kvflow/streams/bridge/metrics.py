@@ -141,16 +141,16 @@ class BridgeMetrics:
             self._tracking = workers
             self.registry.register(_PrefillPoolCollector(workers))
 
-    def track_tokenizers(self, loaded: Callable[[], dict]) -> None:
+    def track_tokenizers(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]]) -> None:
         """Expose ``kvflow_bridge_tokenize_chars_total{tokenizer, source}``:
         prompt characters taken from a tokenizer's chunk cache
         (``source="cache"``) or encoded (``"encoded"``), read at each scrape
-        from ``loaded() -> {spec: tokenizer}`` (see
-        :mod:`kvflow.models.chunked_encode`; tokenizers without a chunk cache
-        are left out). Call once; later calls are ignored."""
+        from ``chunk_chars() -> {spec: (cache, encoded)}``
+        (:meth:`~kvflow.streams.bridge.tokenizers.TokenizerCache.chunk_chars`;
+        see :mod:`kvflow.models.chunked_encode`). Call once; later calls are ignored."""
         if not self._tracking_tokenizers:
             self._tracking_tokenizers = True
-            self.registry.register(_ChunkCacheCollector(loaded))
+            self.registry.register(_ChunkCacheCollector(chunk_chars))
 
     def observe_final(self, model: str, final: FinalResponse) -> None:
         """Count where a successful request's prefill ran and how its KV moved."""
@@ -168,18 +168,16 @@ class BridgeMetrics:
 class _ChunkCacheCollector(Collector):
     """Scrape-time counters of the tokenizers' chunk caches."""
 
-    def __init__(self, loaded: Callable[[], dict]) -> None:
-        self.loaded = loaded
+    def __init__(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        self.chunk_chars = chunk_chars
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         chars = CounterMetricFamily("kvflow_bridge_tokenize_chars",
                                     "Prompt characters tokenized, by whether their chunk came from the cache.",
                                     labels=["tokenizer", "source"])
-        for spec, tok in sorted(self.loaded().items()):
-            cache = getattr(tok, "chunk_cache", None)
-            if cache is not None:
-                chars.add_metric([spec, "cache"], float(cache.hit_chars))
-                chars.add_metric([spec, "encoded"], float(cache.miss_chars))
+        for spec, (hit, miss) in sorted(self.chunk_chars().items()):
+            chars.add_metric([spec, "cache"], float(hit))
+            chars.add_metric([spec, "encoded"], float(miss))
         yield chars
 
 

@@ -159,8 +159,10 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (TemplateError,)
 
 
-async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: Any) -> tuple[list[int], str]:
-    """Prompt ids (shape [ISL]) and the echo text of ``body``.
+async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: Any, state: BridgeState,
+                    spec: str) -> tuple[list[int], str]:
+    """Prompt ids (shape [ISL]) and the echo text of ``body``, encoded by
+    ``state.tokenizers.pool`` when it serves ``spec``.
 
     Raises:
         BridgeError: 400 when the model's chat template rejects the
@@ -169,13 +171,13 @@ async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: A
     """
     if messages is not None:
         try:
-            return await encode_chat(tokenizer, messages), ""
+            return await encode_chat(tokenizer, messages, pool=state.tokenizers.pool, spec=spec), ""
         except _template_errors() as exc:
             raise invalid_request(f"The model's chat template rejects these messages: {exc}",
                                   param="messages") from None
     assert isinstance(body, CompletionRequest)
     if isinstance(body.prompt, str):
-        ids = await encode_prompt(tokenizer, body.prompt)
+        ids = await encode_prompt(tokenizer, body.prompt, pool=state.tokenizers.pool, spec=spec)
         return ids, body.prompt if body.echo else ""
     vocab = getattr(tokenizer, "vocab_size", None)
     bad = [t for t in body.prompt if t < 0 or (vocab is not None and t >= vocab)]
@@ -257,7 +259,7 @@ async def prepare_parsed(state: BridgeState, http_request: Request, body: Body, 
         embeds = decode_prompt_embeds(body.prompt_embeds, limit)
         token_ids, echo_text, isl = None, "", embeds.seq_len
     else:
-        token_ids, echo_text = await _tokenize(body, messages, await _load_tokenizer(state, spec))
+        token_ids, echo_text = await _tokenize(body, messages, await _load_tokenizer(state, spec), state, spec)
         isl = len(token_ids)
     prompt_param = "messages" if messages is not None else "prompt"
     if isl > limit:

@@ -4,7 +4,9 @@ The bridge tokenizes every prompt with the tokenizer its model's workers
 advertise, so each request carries ``token_ids`` (the router hashes them into
 KV blocks) and its ISL is known before it is sent (HTTP 413 above the limit).
 Loading a Hugging Face tokenizer takes 0.1–2 s and encoding a long prompt
-milliseconds, so both run in a thread.
+milliseconds, so both run off the event loop: loading in a thread, encoding
+in the cache's :class:`~kvflow.streams.bridge.tokenize_pool.TokenizePool`
+when it has one (``settings.bridge_tokenize_processes``), else in a thread.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
+from kvflow.streams.bridge.tokenize_pool import TokenizePool, pooled
 
 __all__ = ["TokenizerCache", "encode_chat", "encode_prompt", "prewarm"]
 
@@ -27,11 +30,13 @@ class TokenizerCache:
 
     ``loader(spec) -> tokenizer`` runs in a worker thread (default:
     :func:`kvflow.models.tokenizer.load_tokenizer`). A failed load is not
-    cached, so the next request retries it.
+    cached, so the next request retries it. ``pool`` (optional) encodes the
+    prompts of every spec it serves (:func:`encode_chat`, :func:`encode_prompt`).
     """
 
-    def __init__(self, loader: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, loader: Callable[[str], Any] | None = None, *, pool: TokenizePool | None = None) -> None:
         self._loader = loader or load_tokenizer
+        self.pool = pool
         self._loaded: dict[str, Any] = {}
         self._loading: dict[str, asyncio.Task] = {}
 
@@ -57,14 +62,40 @@ class TokenizerCache:
         """The tokenizers loaded so far, by spec (a copy)."""
         return dict(self._loaded)
 
+    def chunk_chars(self) -> dict[str, tuple[int, int]]:
+        """Per spec, (prompt characters taken from a chunk cache, characters
+        encoded), in this process and in the pool's children together; specs
+        whose tokenizer has no chunk cache are left out."""
+        out: dict[str, tuple[int, int]] = {}
+        for spec, tok in self._loaded.items():
+            cache = getattr(tok, "chunk_cache", None)
+            if cache is not None:
+                out[spec] = (cache.hit_chars, cache.miss_chars)
+        for spec, (hit, miss) in (self.pool.chunk_chars.items() if self.pool is not None else ()):
+            own = out.get(spec, (0, 0))
+            out[spec] = (own[0] + hit, own[1] + miss)
+        return out
 
-async def encode_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
-    """``tokenizer.encode_chat(messages)`` in a thread; returns ids, shape [ISL]."""
+
+async def encode_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, pool: TokenizePool | None = None,
+                      spec: str | None = None) -> list[int]:
+    """``tokenizer.encode_chat(messages)`` in ``pool`` when it serves ``spec``,
+    else in a thread; returns ids, shape [ISL].
+
+    Raises:
+        jinja2.TemplateError: the chat template rejects the conversation.
+    """
+    if pool is not None and spec is not None and pooled(spec):
+        return await pool.encode_chat(spec, messages, tokenizer)
     return await asyncio.to_thread(tokenizer.encode_chat, list(messages))
 
 
-async def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """``tokenizer.encode_prompt(text)`` in a thread; returns ids, shape [ISL]."""
+async def encode_prompt(tokenizer: Any, text: str, *, pool: TokenizePool | None = None,
+                        spec: str | None = None) -> list[int]:
+    """``tokenizer.encode_prompt(text)`` in ``pool`` when it serves ``spec``,
+    else in a thread; returns ids, shape [ISL]."""
+    if pool is not None and spec is not None and pooled(spec):
+        return await pool.encode_prompt(spec, text, tokenizer)
     return await asyncio.to_thread(tokenizer.encode_prompt, text)
 
 
@@ -75,13 +106,17 @@ async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], int
     The first load of a Hugging Face tokenizer imports transformers, holding
     the interpreter lock for seconds: done on the first request, it stalled
     the bridge and the router in the same process (the first requests of a
-    load test waited seconds for their first token). A failed load is logged
-    and retried at the next check.
+    load test waited seconds for their first token). With a tokenize pool the
+    spec is loaded in its children as well (once it has loaded there). A
+    failed load is logged and retried at the next check.
     """
+    warmed: set[str] = set()
     while True:
         for spec in list(specs()):
             try:  # a loaded spec returns at once; one being loaded is shared
                 await cache.get(spec)
+                if cache.pool is not None and pooled(spec) and spec not in warmed and await cache.pool.warm(spec):
+                    warmed.add(spec)
             except Exception as exc:  # noqa: BLE001 - the request path reports it if it persists
                 log.warning("cannot pre-load tokenizer %r: %s", spec, exc)
         await asyncio.sleep(interval_s)
