@@ -180,7 +180,9 @@ class Settings(BaseSettings):
     tokenizers (:mod:`kvflow.streams.bridge.tokenize_pool`); 0: threads of the
     bridge's own process, where they wait for its interpreter lock under
     load. Two, so a burst of long prompts is not encoded one after another
-    (docs/benchmarks.md, "Tokenizing in processes of their own"). Defaults to 2."""
+    (docs/benchmarks.md, "2026-11-28, later: paced mocker steps, tokenizing in
+    processes of their own": they cut the TTFT tail on a busy host, cost some
+    CPU on a calm one). Defaults to 2."""
 
     max_migrations: int = Field(default=3, ge=0)
     """How often a client (the bridge included) resubmits a request whose worker

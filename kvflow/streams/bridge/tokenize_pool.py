@@ -4,9 +4,11 @@ The bridge shares its process with the router in ``kvflow up``, and its event
 loop streams every token of every response, so its interpreter lock is busy
 under load. Tokenizing in threads of that process makes them wait for the
 lock, and the router's hops wait behind them: on the synthetic long-prompt
-trace under AIPerf (docs/benchmarks.md, "Tokenizing in processes of their
-own") TTFT p99 was 1,483 ms with threads and 1,010 ms with two child
-processes, the bridge → router hop's p99 193 and 64 ms.
+trace under AIPerf on a busy 2-core host (docs/benchmarks.md, "2026-11-28,
+later: paced mocker steps, tokenizing in processes of their own") TTFT p99
+was 1,483 ms with threads and 1,010 ms with two child processes, the bridge →
+router hop's p99 193 and 64 ms; on a calmer host the two were level and the
+children cost some CPU (their encoding and the pipes).
 
 A :class:`TokenizePool` runs the chat template and the encoding in
 ``processes`` children (:mod:`kvflow.streams.bridge.tokenize_worker`, started
