@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import struct
 import sys
 from array import array
@@ -79,6 +80,9 @@ def main() -> None:
     # The child encodes one job at a time; the tokenizers library's own
     # thread pool would only compete with the deployment for the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the whole process group; the bridge stops its children by
+    # ending their stdin (and they end with it if the bridge dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the frames
     jobs = sys.stdin.buffer
