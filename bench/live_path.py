@@ -13,7 +13,10 @@ processes) as a child process group, then:
    first token went: bridge → router (``routing.decided_ms − created_ms``),
    router → worker (``queued_ms − decided_ms``), worker queue
    (``started_ms − queued_ms``), engine to first token
-   (``first_token_ms − started_ms``), and records on the responses topic;
+   (``first_token_ms − started_ms``), the worker's own per-request ITL
+   (``engine_itl``: first token to finished over the tokens after the first,
+   to set beside AIPerf's, which adds the delivery of the last record), and
+   records on the responses topic;
    and from the bridge's /metrics its own TTFT and the time from body read to
    request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing)
    and the share of prompt characters the tokenizer's chunk cache served
@@ -160,7 +163,8 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
                 pass
         responses = await read_all(f"{namespace}.responses")
         stages: dict[str, list[float]] = {"bridge_to_router": [], "router_to_worker": [], "worker_queue": [],
-                                          "engine_to_first_token": [], "created_to_first_token": []}
+                                          "engine_to_first_token": [], "created_to_first_token": [],
+                                          "engine_itl": []}
         deltas = finals = 0
         for msg in responses:
             try:
@@ -180,6 +184,9 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
             stages["worker_queue"].append(t["started_ms"] - t["queued_ms"])
             stages["engine_to_first_token"].append(t["first_token_ms"] - t["started_ms"])
             stages["created_to_first_token"].append(t["first_token_ms"] - c)
+            tokens = (rec.get("usage") or {}).get("completion_tokens", 0)
+            if tokens > 1 and t.get("finished_ms"):  # the worker's view of AIPerf's per-request ITL
+                stages["engine_itl"].append(round((t["finished_ms"] - t["first_token_ms"]) / (tokens - 1), 2))
         out = {k: {"p50": pct(v, 50), "p99": pct(v, 99), "mean": round(statistics.fmean(v), 1) if v else None}
                for k, v in stages.items()}
         out["responses_records"] = {"deltas": deltas, "finals": finals}
