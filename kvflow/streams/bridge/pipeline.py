@@ -89,6 +89,7 @@ from kvflow.streams.bridge.prompt_embeds import decode_prompt_embeds
 from kvflow.streams.bridge.serving_class import serving_class
 from kvflow.streams.bridge.sse import EventStreamResponse, chat_sse, completion_sse, with_ids
 from kvflow.streams.bridge.state import BridgeState, admit, release
+from kvflow.streams.bridge.tokenize_worker import template_errors
 from kvflow.streams.bridge.tokenizers import encode_chat, encode_prompt
 from kvflow.streams.bridge.worker_registry import ModelState
 from kvflow.streams.client import RequestTimeout, StreamCursor, StreamNotFound
@@ -151,14 +152,6 @@ async def _load_tokenizer(state: BridgeState, spec: str) -> Any:
                           "server_error", code="tokenizer_unavailable") from None
 
 
-def _template_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # no chat templates without jinja2
-        return ()
-    return (TemplateError,)
-
-
 async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: Any, state: BridgeState,
                     spec: str) -> tuple[list[int], str]:
     """Prompt ids (shape [ISL]) and the echo text of ``body``, encoded by
@@ -172,7 +165,7 @@ async def _tokenize(body: Body, messages: list[ChatMessage] | None, tokenizer: A
     if messages is not None:
         try:
             return await encode_chat(tokenizer, messages, pool=state.tokenizers.pool, spec=spec), ""
-        except _template_errors() as exc:
+        except template_errors() as exc:
             raise invalid_request(f"The model's chat template rejects these messages: {exc}",
                                   param="messages") from None
     assert isinstance(body, CompletionRequest)

@@ -22,7 +22,7 @@ import sys
 from array import array
 from typing import Any, BinaryIO
 
-__all__ = ["HEADER", "read_frame", "frame", "answer", "main"]
+__all__ = ["HEADER", "read_frame", "frame", "answer", "chunk_counts", "template_errors", "main"]
 
 HEADER = struct.Struct(">I")
 """Frame header: the length of the pickle that follows, bytes."""
@@ -43,17 +43,21 @@ def read_frame(stream: BinaryIO) -> Any | None:
     return pickle.loads(stream.read(size))
 
 
-def _chars(tok: Any) -> tuple[int, int]:
+def chunk_counts(tok: Any) -> tuple[int, int] | None:
+    """(characters taken from ``tok``'s chunk cache, characters encoded), or
+    None for a tokenizer without one (:mod:`kvflow.models.chunked_encode`)."""
     cache = getattr(tok, "chunk_cache", None)
-    return (cache.hit_chars, cache.miss_chars) if cache is not None else (0, 0)
+    return (cache.hit_chars, cache.miss_chars) if cache is not None else None
 
 
-def _is_template_error(exc: Exception) -> bool:
+def template_errors() -> tuple[type[BaseException], ...]:
+    """The exception types of a chat template rejecting a conversation
+    (``jinja2.TemplateError``; none without jinja2), for an ``except`` clause."""
     try:
         from jinja2 import TemplateError
     except ImportError:  # no chat templates without jinja2
-        return False
-    return isinstance(exc, TemplateError)
+        return ()
+    return (TemplateError,)
 
 
 def answer(job: tuple[int, str, str, Any]) -> tuple[int, str, Any, int, int]:
@@ -65,13 +69,13 @@ def answer(job: tuple[int, str, str, Any]) -> tuple[int, str, Any, int, int]:
         tok = load_tokenizer(spec)
         if kind == "warm":
             return job_id, "ok", b"", 0, 0
-        hit, miss = _chars(tok)
+        hit, miss = chunk_counts(tok) or (0, 0)
         ids = tok.encode_chat(payload) if kind == "chat" else tok.encode_prompt(payload)
-        hit2, miss2 = _chars(tok)
+        hit2, miss2 = chunk_counts(tok) or (0, 0)
         return job_id, "ok", array("I", ids).tobytes(), hit2 - hit, miss2 - miss
+    except template_errors() as exc:
+        return job_id, "template_error", str(exc), 0, 0
     except Exception as exc:  # noqa: BLE001 - every failure is an answer; the bridge decides
-        if _is_template_error(exc):
-            return job_id, "template_error", str(exc), 0, 0
         return job_id, "error", f"{type(exc).__name__}: {exc}", 0, 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
 from kvflow.streams.bridge.tokenize_pool import TokenizePool, pooled
+from kvflow.streams.bridge.tokenize_worker import chunk_counts
 
 __all__ = ["TokenizerCache", "encode_chat", "encode_prompt", "prewarm"]
 
@@ -68,9 +69,8 @@ class TokenizerCache:
         whose tokenizer has no chunk cache are left out."""
         out: dict[str, tuple[int, int]] = {}
         for spec, tok in self._loaded.items():
-            cache = getattr(tok, "chunk_cache", None)
-            if cache is not None:
-                out[spec] = (cache.hit_chars, cache.miss_chars)
+            if (counts := chunk_counts(tok)) is not None:
+                out[spec] = counts
         for spec, (hit, miss) in (self.pool.chunk_chars.items() if self.pool is not None else ()):
             own = out.get(spec, (0, 0))
             out[spec] = (own[0] + hit, own[1] + miss)
