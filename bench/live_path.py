@@ -25,6 +25,7 @@ processes) as a child process group, then:
    show a cost that grows as the run goes on (e.g. the broker's with its log).
 
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
+    python bench/live_path.py --requests 0 --settle-s 30     # the idle window only (no AIPerf needed)
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
 
 AIPerf comes from ``$KVFLOW_AIPERF`` or ``.venv-aiperf/bin/aiperf`` (docs/aiperf.md).
@@ -282,7 +283,7 @@ def main() -> None:
     """Run the bench; prints the figures as JSON on the last line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=300, help="0: measure the idle window only")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--speedup-ratio", type=float, default=1.0)
     ap.add_argument("--policy", default="kv")
@@ -299,12 +300,12 @@ def main() -> None:
     args = ap.parse_args()
 
     aiperf = find_aiperf()
-    if aiperf is None:
+    if aiperf is None and args.requests > 0:
         sys.exit("aiperf not found: set KVFLOW_AIPERF (docs/aiperf.md)")
     work = Path(tempfile.mkdtemp(prefix="kvflow-live-path-"))
     url = f"http://127.0.0.1:{args.port}"
     env = {**os.environ, "KVFLOW_STATE_FILE": str(work / "up.json"), "KVFLOW_DATA_DIR": str(work / "data"),
-           "KVFLOW_MAX_PROMPT_TOKENS": "200000", "KVFLOW_AIPERF": aiperf}
+           "KVFLOW_MAX_PROMPT_TOKENS": "200000", "KVFLOW_AIPERF": aiperf or ""}
     kvflow = str(Path(sys.executable).parent / "kvflow")
     up = subprocess.Popen([kvflow, "up", "--engine", "mocker", "--workers", str(args.workers),
                            "--policy", args.policy, "--mocker-tokenizer", "SmolLM2-135M-Instruct",
@@ -326,50 +327,51 @@ def main() -> None:
         result["idle_cpu_pct_of_one_core"] = round(100 * sum(idle.values()) / args.idle_s, 2)
         result["idle_cpu_s"] = idle
 
-        spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
-        c0 = cpu_seconds(up_proc)
-        t0 = time.monotonic()
-        cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
-               "--artifact-dir", str(work / "aiperf")]
-        if args.max_input_length:
-            cmd += ["--max-input-length", str(args.max_input_length)]
-        if args.aiperf_arg:
-            cmd += ["--", *args.aiperf_arg]
-        runner = subprocess.Popen(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
-        windows = []  # CPU per group per 1,000 output tokens finished in each window: does a cost grow?
-        w_cpu, w_tokens = c0, output_tokens_so_far(url)
-        while True:
-            try:
-                rc = runner.wait(timeout=args.window_s)
-                break
-            except subprocess.TimeoutExpired:
-                cpu, tokens = cpu_seconds(up_proc), output_tokens_so_far(url)
-                if tokens > w_tokens:
-                    windows.append({k: round(1000 * v / (tokens - w_tokens), 3) for k, v in delta(w_cpu, cpu).items()})
-                w_cpu, w_tokens = cpu, tokens
-        load_s = time.monotonic() - t0
-        result["cpu_s_per_1k_output_tokens_by_window"] = windows
-        load = delta(c0, cpu_seconds(up_proc))
-        for spy in spies:
-            spy.wait(timeout=args.py_spy_s + 60)
-        export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
-        out_tokens = export.get("total_osl", {}).get("avg") or export["output_sequence_length"]["sum"]
-        result.update({
-            "aiperf_rc": rc, "load_wall_s": round(load_s, 1),
-            "answered": int(export["request_count"]["avg"]),
-            "errors": int((export.get("error_request_count") or {}).get("avg", 0)),
-            "ttft_ms_p50": export["time_to_first_token"]["p50"], "ttft_ms_p99": export["time_to_first_token"]["p99"],
-            "itl_ms_p50": export["inter_token_latency"]["p50"], "itl_ms_p99": export["inter_token_latency"]["p99"],
-            "output_tokens": out_tokens, "load_cpu_s": load,
-            "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
-        })
-        result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
-        result["bridge_ttft_ms"] = bridge_ttft(url)
-        result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
-        chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
-        result["tokenize_chars_from_cache"] = round(chars.get("cache", 0) / sum(chars.values()), 3) if chars else None
-        result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
-        result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
+        if args.requests > 0:
+            spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
+            c0 = cpu_seconds(up_proc)
+            t0 = time.monotonic()
+            cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
+                   "--artifact-dir", str(work / "aiperf")]
+            if args.max_input_length:
+                cmd += ["--max-input-length", str(args.max_input_length)]
+            if args.aiperf_arg:
+                cmd += ["--", *args.aiperf_arg]
+            runner = subprocess.Popen(cmd, env=env, stdout=open(work / "aiperf.log", "w"), stderr=subprocess.STDOUT)
+            windows = []  # CPU per group per 1,000 output tokens finished in each window: does a cost grow?
+            w_cpu, w_tokens = c0, output_tokens_so_far(url)
+            while True:
+                try:
+                    rc = runner.wait(timeout=args.window_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    cpu, tokens = cpu_seconds(up_proc), output_tokens_so_far(url)
+                    if tokens > w_tokens:
+                        windows.append({k: round(1000 * v / (tokens - w_tokens), 3) for k, v in delta(w_cpu, cpu).items()})
+                    w_cpu, w_tokens = cpu, tokens
+            load_s = time.monotonic() - t0
+            result["cpu_s_per_1k_output_tokens_by_window"] = windows
+            load = delta(c0, cpu_seconds(up_proc))
+            for spy in spies:
+                spy.wait(timeout=args.py_spy_s + 60)
+            export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
+            out_tokens = export.get("total_osl", {}).get("avg") or export["output_sequence_length"]["sum"]
+            result.update({
+                "aiperf_rc": rc, "load_wall_s": round(load_s, 1),
+                "answered": int(export["request_count"]["avg"]),
+                "errors": int((export.get("error_request_count") or {}).get("avg", 0)),
+                "ttft_ms_p50": export["time_to_first_token"]["p50"], "ttft_ms_p99": export["time_to_first_token"]["p99"],
+                "itl_ms_p50": export["inter_token_latency"]["p50"], "itl_ms_p99": export["inter_token_latency"]["p99"],
+                "output_tokens": out_tokens, "load_cpu_s": load,
+                "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
+            })
+            result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
+            result["bridge_ttft_ms"] = bridge_ttft(url)
+            result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
+            chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
+            result["tokenize_chars_from_cache"] = round(chars.get("cache", 0) / sum(chars.values()), 3) if chars else None
+            result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
+            result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:

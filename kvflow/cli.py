@@ -401,8 +401,10 @@ def bridge_cmd(
         app = build_app(settings, slot=slot, ensure_topics=False)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
-    uvicorn.run(app, host=host, port=listen_port, log_level="info" if verbose else "warning", lifespan="on",
-                timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)
+    from kvflow.streams.bridge.server import BridgeServer
+
+    BridgeServer(uvicorn.Config(app, host=host, port=listen_port, log_level="info" if verbose else "warning",
+                                lifespan="on", timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)).run()
 
 
 @app.command("router")

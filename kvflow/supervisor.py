@@ -109,6 +109,7 @@ class Supervisor:
             import uvicorn
 
             from kvflow.streams.bridge.app import build_app
+            from kvflow.streams.bridge.server import BridgeServer
 
             # Keep-alive longer than HTTP clients' pool idle timeouts (aiohttp: 15 s): with
             # uvicorn's 5 s default, a client reusing a connection the server is closing
@@ -116,7 +117,7 @@ class Supervisor:
             # requests on a CPU-saturated machine).
             config = uvicorn.Config(build_app(self.settings, self.catalog), host=self.host, port=self.port,
                                     log_level="warning", lifespan="on", timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)
-            self._uvicorn = uvicorn.Server(config)
+            self._uvicorn = BridgeServer(config)
             self._uvicorn.install_signal_handlers = lambda: None  # the supervisor owns signals
             self._bridge_task = asyncio.create_task(self._uvicorn.serve(), name="bridge")
             while not self._uvicorn.started:

@@ -91,16 +91,18 @@ async def running_deployment(settings: Settings, spec: WorkerSpec, workers: int,
 
 @contextlib.asynccontextmanager
 async def serve_app(app, *, lifespan: str = "on") -> AsyncIterator[str]:
-    """Serve ``app`` with uvicorn in this process on a free loopback port until the
-    block exits; yields its base URL.
+    """Serve ``app`` with the bridge's uvicorn server (:class:`~kvflow.streams.bridge.server.BridgeServer`)
+    in this process on a free loopback port until the block exits; yields its base URL.
 
     Raises:
         AssertionError: the server exited during start-up.
     """
     import uvicorn
 
+    from kvflow.streams.bridge.server import BridgeServer
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
+    server = BridgeServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:

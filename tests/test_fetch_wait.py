@@ -257,3 +257,39 @@ async def test_a_cut_before_the_fetch_task_runs_does_not_stop_the_consumer(kafka
         await asyncio.gather(reader, return_exceptions=True)
         await producer.stop()
         await consumer.stop()
+
+
+async def test_consumers_of_the_embedded_broker_tick_slowly_and_still_get_records(kafka, waiter):
+    """The fetch routine's tick is FETCHER_TIMEOUT_MS, not aiokafka's 200 ms; a record
+    written while the consumer is parked in an idle long poll, with no ring, still arrives."""
+    from aiokafka import TopicPartition
+
+    from kvflow.streams.kafka import make_consumer, make_producer
+    from kvflow.streams.tansu_compat import FETCHER_TIMEOUT_MS
+
+    kafka_settings, catalog = kafka
+    consumer = make_consumer(kafka_settings)
+    await consumer.start()
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        assert consumer._fetcher._fetcher_timeout == FETCHER_TIMEOUT_MS / 1000
+        t = TopicPartition(catalog.metrics.name, 0)
+        consumer.assign([t])
+        await consumer.seek_to_end(t)
+        p = adapt_fetch_wait(consumer, kafka_settings, NOT_HOT)
+        assert p is not None
+        got = []
+
+        async def read() -> None:
+            while not got:
+                got.extend((await consumer.getmany(t, timeout_ms=1000)).get(t, []))
+
+        reader = asyncio.create_task(read())
+        await waiter(lambda: p.cut is not None and consumer._fetcher._in_flight, timeout_s=60)
+        await producer.send_and_wait(t.topic, b"quiet", partition=0)
+        await asyncio.wait_for(reader, 120)
+        assert [r.value for r in got] == [b"quiet"]
+    finally:
+        await producer.stop()
+        await consumer.stop()

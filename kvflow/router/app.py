@@ -226,7 +226,8 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         producer_max_request_size=settings.max_record_bytes,
         producer_acks=1,
         broker_session_timeout=settings.session_timeout_ms / 1000,
-        broker_heartbeat_interval=max(0.1, settings.session_timeout_ms / 6000),
+        # Kafka's guidance for heartbeat.interval.ms: at most a third of the session timeout.
+        broker_heartbeat_interval=max(0.1, settings.session_timeout_ms / 3000),
         broker_request_timeout=max(40.0, settings.session_timeout_ms / 1000 + 5),
         consumer_auto_offset_reset="latest",
         topic_allow_declare=True,

@@ -65,7 +65,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
         "enable_auto_commit": group_id is not None,
         "auto_offset_reset": "latest",
         "session_timeout_ms": settings.session_timeout_ms,
-        "heartbeat_interval_ms": max(100, settings.session_timeout_ms // 6),
+        "heartbeat_interval_ms": max(100, settings.session_timeout_ms // 3),  # Kafka: at most 1/3 of the session
         "client_id": "kvflow",
     }
     opts.update(client_security(settings))

@@ -46,19 +46,31 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = ["consumer_overrides", "producer_overrides", "patch_faust_fetch_wait", "patch_gap_refetch",
-           "GAP_ACCEPT_S"]
+           "GAP_ACCEPT_S", "FETCHER_TIMEOUT_MS"]
+
+FETCHER_TIMEOUT_MS = 2000
+"""aiokafka's ``consumer_timeout_ms`` for consumers of the embedded broker: the
+longest its background fetch routine sleeps before looking at its partitions
+again. The routine also wakes when a fetch completes (or is cut short, see
+:mod:`kvflow.streams.fetch_wait`), when the caller consumes buffered records,
+on an unassignment and on a resume, so this tick only bounds how late it
+notices anything else. aiokafka's 200 ms default costs every idle consumer
+five loop wake-ups a second (measured: 17 a second in the bridge and router
+process of ``kvflow up``, 5 in each worker, with nothing to fetch)."""
 
 
 def consumer_overrides(embedded: bool, fetch_max_wait_ms: int = 5) -> dict[str, Any]:
     """aiokafka consumer kwargs for latency-critical consumers.
 
-    On Tansu: a short fetch wait (see module doc), and consumers fetch again
-    from a hole in a partition's offsets (:func:`patch_gap_refetch`). On Kafka:
-    100 ms, which the broker cuts short as soon as data arrives.
+    On Tansu: a short fetch wait (see module doc), a fetch routine that ticks
+    every :data:`FETCHER_TIMEOUT_MS`, and consumers fetch again from a hole in
+    a partition's offsets (:func:`patch_gap_refetch`). On Kafka: 100 ms, which
+    the broker cuts short as soon as data arrives.
     """
     if embedded:
         patch_gap_refetch()
-    return {"fetch_max_wait_ms": fetch_max_wait_ms if embedded else 100}
+        return {"fetch_max_wait_ms": fetch_max_wait_ms, "consumer_timeout_ms": FETCHER_TIMEOUT_MS}
+    return {"fetch_max_wait_ms": 100}
 
 
 def producer_overrides(embedded: bool) -> dict[str, Any]:
@@ -79,8 +91,9 @@ def patch_faust_fetch_wait(fetch_max_wait_ms: int, policy: Callable[[], Any] | N
     faust-streaming passes a literal ``fetch_max_wait_ms=1500`` when it builds
     its aiokafka consumer (``faust/transport/drivers/aiokafka.py``,
     ``_create_worker_consumer``). Against Tansu that makes every agent hop
-    cost ~700 ms. The consumer object stores the value before it builds its
-    fetcher at ``start()``, so it is overridden right after construction, and
+    cost ~700 ms. The consumer object stores the value (and its fetch routine's
+    tick, set to :data:`FETCHER_TIMEOUT_MS`) before it builds its fetcher at
+    ``start()``, so both are overridden right after construction, and
     the policy is installed once it has started. Idempotent (the last call's
     values apply to consumers created after it); call before the Faust app starts.
     """
@@ -98,6 +111,7 @@ def patch_faust_fetch_wait(fetch_max_wait_ms: int, policy: Callable[[], Any] | N
     def _create_worker_consumer(self: Any, transport: Any) -> Any:
         consumer = original(self, transport)
         consumer._fetch_max_wait_ms = _patched["fetch_max_wait_ms"]
+        consumer._consumer_timeout = FETCHER_TIMEOUT_MS / 1000  # read when start() builds the fetcher
         make_policy = _patched.get("policy")
         if make_policy is not None:
             start = consumer.start

@@ -1,0 +1,66 @@
+"""The bridge's uvicorn server: a one-second tick that still serves, refreshes
+the date header and stops at once when asked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from kvflow.streams.bridge import server as server_mod
+from kvflow.streams.bridge.server import TICKS_PER_HEADER, BridgeServer
+from tests.deployment import serve_app
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+
+    return app
+
+
+async def test_serves_with_a_date_header_and_stops():
+    async with serve_app(_app()) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            reply = await http.get("/ping")
+    assert reply.status_code == 200 and reply.json() == {"ok": True}
+    assert "date" in reply.headers  # uvicorn's default header, refreshed by the tick
+
+
+async def test_every_tick_refreshes_the_headers(monkeypatch):
+    monkeypatch.setattr(server_mod, "TICK_S", 0.001)
+    server = BridgeServer(uvicorn.Config(_app()))
+    counters = []
+
+    async def on_tick(counter: int) -> bool:
+        counters.append(counter)
+        return len(counters) == 5
+
+    server.on_tick = on_tick
+    await asyncio.wait_for(server.main_loop(), 60)
+    assert len(counters) == 5 and all(c % TICKS_PER_HEADER == 0 for c in counters)
+
+
+async def test_a_shutdown_request_wakes_the_tick_at_once(monkeypatch):
+    # With an hour-long tick, main_loop returns only if setting should_exit wakes it.
+    monkeypatch.setattr(server_mod, "TICK_S", 3600.0)
+    server = BridgeServer(uvicorn.Config(_app()))
+    ticks = 0
+
+    async def on_tick(counter: int) -> bool:
+        nonlocal ticks
+        ticks += 1
+        return server.should_exit
+
+    server.on_tick = on_tick
+    loop = asyncio.create_task(server.main_loop())
+    while ticks == 0:
+        await asyncio.sleep(0)
+    server.should_exit = True
+    await asyncio.wait_for(loop, 60)
+    assert ticks == 2 and server.should_exit
