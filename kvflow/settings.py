@@ -106,8 +106,10 @@ class Settings(BaseSettings):
     changed; a change (status, load, KV usage) is published within
     ``heartbeat_interval_ms``. An idle heartbeat announces a TTL longer by the
     difference of the two periods, so the silence tolerated after a missed
-    beat is the same as when busy. Defaults to ``None``:
-    5 × ``heartbeat_interval_ms``."""
+    beat is the same as when busy. Beats fall on wall-clock multiples of both
+    periods, so idle workers beat together and their readers wake once per
+    period, not once per worker (:mod:`kvflow.workers.heartbeat_clock`).
+    Defaults to ``None``: 5 × ``heartbeat_interval_ms``."""
 
     routing_policy: str = "kv"
     """Router policy name (see :mod:`kvflow.router.policies`). Defaults to ``kv``: the

@@ -114,6 +114,7 @@ from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer, ServesLora
+from kvflow.workers.heartbeat_clock import idle_beat_due, next_tick, tick_time, wait_for_tick
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.lora import AdapterError, AdapterManager
 from kvflow.workers.prometheus import WorkerExporter
@@ -847,19 +848,24 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         # Busy: a beat every interval. Idle and unchanged: one per idle period, with a TTL
         # stretched to match, so an idle deployment sends (and its readers fetch) 5x fewer.
+        # Ticks sit on wall-clock multiples so idle workers beat together (heartbeat_clock).
         interval = self.settings.heartbeat_interval_ms / 1000
-        last_metrics = last_beat = time.monotonic()
+        last_metrics = time.monotonic()
+        last_beat = time.time()
         last_state: dict | None = None
+        tick = next_tick(time.time(), interval)
         while True:
-            await asyncio.sleep(interval)
+            tick, delay = wait_for_tick(tick, interval, time.time())
+            await asyncio.sleep(delay)
+            at = tick_time(tick, interval)
+            tick = max(tick + 1, next_tick(time.time(), interval))  # a late loop skips ticks, never doubles
             try:
                 record = self._heartbeat_record()
                 state = record.model_dump(exclude={"ts_ms"})
-                now = time.monotonic()
                 if (state == last_state and self._idle()
-                        and now - last_beat < (self._idle_period_ms() - self.settings.heartbeat_interval_ms / 2) / 1000):
+                        and not idle_beat_due(last_beat, at, self._idle_period_ms() / 1000)):
                     continue
-                last_state, last_beat = state, now
+                last_state, last_beat = state, at
                 sent = await self.producer.send(self.catalog.workers.name, encode(record),
                                                 key=self.config.worker_id.encode())
                 if time.monotonic() - last_metrics >= self.config.metrics_interval_s:
