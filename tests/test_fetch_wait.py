@@ -293,3 +293,31 @@ async def test_consumers_of_the_embedded_broker_tick_slowly_and_still_get_record
     finally:
         await producer.stop()
         await consumer.stop()
+
+
+async def test_an_offset_lookup_cuts_a_parked_fetch(kafka, waiter):
+    """end_offsets / beginning_offsets share the connection of a fetch parked in a 30 s
+    idle poll, which the broker answers first: the lookup cuts that fetch instead of
+    waiting it out (a worker's start-up did, with a 30 s idle wait)."""
+    from aiokafka import TopicPartition
+
+    from kvflow.streams.kafka import make_consumer
+
+    kafka_settings, catalog = kafka
+    settings = kafka_settings.model_copy(update={"fetch_idle_wait_ms": 30_000, "fetch_active_window_s": 0.1})
+    consumer = make_consumer(settings)
+    await consumer.start()
+    try:
+        t = TopicPartition(catalog.control.name, 0)
+        consumer.assign([t])
+        await consumer.seek_to_end(t)
+        p = adapt_fetch_wait(consumer, settings, NOT_HOT, rung=True)
+        reader = asyncio.create_task(consumer.getmany(t, timeout_ms=60_000))
+        await waiter(lambda: p.sent_ms == 30_000 and consumer._fetcher._in_flight, timeout_s=60)
+        # Half the parked poll: only a cut lets the lookups through in time.
+        ends = await asyncio.wait_for(consumer.end_offsets([t]), 15)
+        starts = await asyncio.wait_for(consumer.beginning_offsets([t]), 15)
+        assert ends[t] >= starts[t] >= 0
+        reader.cancel()
+    finally:
+        await consumer.stop()

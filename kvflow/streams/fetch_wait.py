@@ -34,8 +34,10 @@ and closing its connection (the broker answers a connection's requests in
 order, so a new fetch on it would queue behind the parked one); the next
 fetch goes out at once on a fresh connection. :func:`produced` also rings
 the other processes of the host (:mod:`kvflow.streams.doorbell`), which run
-:func:`woken` for their own consumers. A seek or offset reset cuts a parked
-fetch too (aiokafka sends it only after the fetch in flight). So only a hop
+:func:`woken` for their own consumers. A seek, an offset reset or an offset
+lookup (end, beginning, by time) cuts a parked fetch too (aiokafka sends the
+first two only after the fetch in flight, and a lookup on the connection that
+fetch holds, which the broker answers in order). So only a hop
 that no writer rings pays the idle wait, once, on the first record after a
 quiet spell; ``busy`` (e.g. a client with streams in flight) keeps a
 consumer from parking at all.
@@ -198,6 +200,19 @@ def patch_fetcher() -> None:
 
     Fetcher.request_offset_reset = cutting(Fetcher.request_offset_reset)
     Fetcher.seek_to = cutting(Fetcher.seek_to)
+
+    # An offset lookup (end_offsets, beginning_offsets, offsets_for_times) goes out on the
+    # connection a parked fetch holds and would be answered only after it: cut that fetch
+    # first (a worker at start-up looked up its cancels' ends behind a 30 s idle poll).
+    def cutting_first(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            wake_policy(getattr(self, "_kvflow_wait", None))
+            return await method(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("end_offsets", "beginning_offsets", "get_offsets_by_times"):
+        setattr(Fetcher, name, cutting_first(getattr(Fetcher, name)))
     Fetcher._kvflow_adaptive = True
 
 
