@@ -83,6 +83,16 @@ class Settings(BaseSettings):
     a consumer's fetch request times out after 40 s (aiokafka's
     ``request_timeout_ms``). Defaults to 5000."""
 
+    fetch_rung_idle_wait_ms: int = Field(default=15_000, ge=1, le=30_000)
+    """Longest fetch long-poll of an idle consumer that every writer of its
+    records rings through the doorbell (a worker's queue and control topics,
+    :attr:`kvflow.streams.fetch_wait.FetchWaitPolicy.rung`): a record ends
+    its wait at once, so the wait costs latency only when a ring is lost (a
+    loopback datagram) or a writer runs on another host than the embedded
+    broker's doorbell directory. Four idle workers at 15,000 instead of
+    5,000 send the broker 0.5 fewer requests per second (docs/benchmarks.md,
+    "idle"). At most 30,000, as ``fetch_idle_wait_ms``. Defaults to 15,000."""
+
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
     partition's end (the broker needs time to assemble the records; with a

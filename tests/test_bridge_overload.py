@@ -58,3 +58,22 @@ async def test_tokenizers_of_live_models_are_loaded_before_a_request_needs_them(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_heartbeat_wakes_the_tokenizer_preloader_between_its_slow_checks(waiter):
+    from kvflow.streams.bridge.tokenizers import TokenizerCache, prewarm
+
+    specs = ["x"]
+    changed = asyncio.Event()
+    cache = TokenizerCache(lambda spec: f"tok:{spec}")
+    task = asyncio.create_task(prewarm(cache, lambda: specs, interval_s=3600, changed=changed))
+    try:
+        await waiter(lambda: "x" in cache._loaded)  # the first check is done: parked for an hour
+        specs.append("a")
+        changed.set()  # a heartbeat folded in: checked now, not in an hour
+        await waiter(lambda: "a" in cache._loaded)
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -99,7 +99,8 @@ async def test_an_idle_worker_in_a_long_poll_is_rung_by_the_router(kafka, monkey
     worker is parked in its 30 s poll until ~41 s; a request routed to it is
     served long before that poll runs out: the router's ring cut it short."""
     settings, _ = kafka
-    waits = {"fetch_max_wait_ms": 1000, "fetch_idle_wait_ms": 30_000, "fetch_active_window_s": 0.5}
+    waits = {"fetch_max_wait_ms": 1000, "fetch_idle_wait_ms": 30_000, "fetch_rung_idle_wait_ms": 30_000,
+             "fetch_active_window_s": 0.5}
     settings = settings.model_copy(update=waits)
     for name, value in waits.items():  # the worker processes read theirs from the environment
         monkeypatch.setenv(f"KVFLOW_{name.upper()}", str(value))

@@ -113,6 +113,23 @@ def test_settings_build_the_policy_and_only_for_the_embedded_broker():
     assert adapt_fetch_wait(SimpleNamespace(_fetcher=SimpleNamespace()), s) is None  # real Kafka: none
 
 
+def test_a_rung_consumer_parks_longer_than_one_no_writer_rings():
+    s = Settings(bootstrap_servers="x:1", fetch_idle_wait_ms=300, fetch_rung_idle_wait_ms=900)
+    assert fetch_wait_policy(s, rung=True).idle_ms == 900
+    assert fetch_wait_policy(s).idle_ms == 300
+    assert fetch_wait_policy(s, rung=True, idle_ms=500).idle_ms == 500
+
+
+def test_an_idle_cap_bounds_only_the_quiet_wait():
+    caps = iter([120, 30, 1000])
+    p = policy(idle_cap=lambda: next(caps))
+    p.wait_ms([(REQ, 10, 10)], now=100.0)  # quiet from the start: capped at 120 (below idle_ms 200)
+    assert p.wait_ms([(REQ, 10, 10)], now=140.0) == 30
+    assert p.wait_ms([(REQ, 10, 10)], now=141.0) == 200  # a cap above idle_ms does not raise it
+    assert p.wait_ms([(REQ, 11, 11)], now=142.0) == 5  # active: the cap is not even asked
+    assert p.wait_ms([(REQ, 100, 5000)], now=142.1) == 250  # nor when behind
+
+
 def test_install_needs_a_started_consumer():
     with pytest.raises(RuntimeError):
         install(SimpleNamespace(), policy())
@@ -304,7 +321,8 @@ async def test_an_offset_lookup_cuts_a_parked_fetch(kafka, waiter):
     from kvflow.streams.kafka import make_consumer
 
     kafka_settings, catalog = kafka
-    settings = kafka_settings.model_copy(update={"fetch_idle_wait_ms": 30_000, "fetch_active_window_s": 0.1})
+    settings = kafka_settings.model_copy(update={"fetch_idle_wait_ms": 30_000, "fetch_rung_idle_wait_ms": 30_000,
+                                                 "fetch_active_window_s": 0.1})
     consumer = make_consumer(settings)
     await consumer.start()
     try:

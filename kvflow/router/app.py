@@ -131,6 +131,7 @@ from kvflow.streams.kafka import bootstrap, fetch_wait_policy
 from kvflow.streams.kafka_security import faust_security
 from kvflow.streams.tansu_compat import patch_faust_fetch_wait
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
+from kvflow.streams.workers import liveness_wait
 
 __all__ = ["RouterApp", "build_router_app"]
 
@@ -338,7 +339,9 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
             # Only held requests need the router to see cancels; the replica holding one may not be
             # the one the consumer group gives the cancel to, so each replica reads them all.
             follows.append(Follow(catalog.cancels, on_cancel_record, hot=False))
-        await follow_topics(settings, follows, policies=state.projection_waits)
+        # It folds the heartbeats the router judges liveness by: its quiet wait is bounded by that.
+        await follow_topics(settings, follows, policies=state.projection_waits,
+                            idle_cap=liveness_wait(settings, core.table.live))
 
     @app.timer(interval=max(0.05, settings.heartbeat_interval_ms / 1000))
     async def housekeeping() -> None:

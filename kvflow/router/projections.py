@@ -21,7 +21,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, make_consumer
-from kvflow.streams.workers import liveness_idle_wait_ms
+from kvflow.streams.workers import FOLLOW_POLL_MS
 
 __all__ = ["Follow", "follow_topics"]
 
@@ -45,7 +45,8 @@ class Follow:
     hot: bool = True
 
 
-async def follow_topics(settings: Settings, follows: list[Follow], *, policies: list | None = None) -> None:
+async def follow_topics(settings: Settings, follows: list[Follow], *, policies: list | None = None,
+                        idle_cap: Callable[[], int] | None = None) -> None:
     """Feed every record of each followed topic (all partitions, from offset 0)
     to its handler, through one consumer, forever.
 
@@ -58,14 +59,15 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, policies: 
     fetch that returns nothing. Handler errors are logged and skipped (the
     handler is expected to dead-letter bad records itself). The consumer's
     :class:`~kvflow.streams.fetch_wait.FetchWaitPolicy` (if any) is appended
-    to ``policies``, so the caller can wake it. Runs until cancelled.
+    to ``policies``, so the caller can wake it; ``idle_cap`` bounds its quiet
+    wait (:func:`kvflow.streams.workers.liveness_wait` for a reader that
+    judges liveness from heartbeats). Runs until cancelled.
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
     await consumer.start()
     hot_topics = {f.spec.name for f in follows if f.hot}
-    # It folds heartbeats the router judges liveness by: bounded idle wait (see liveness_idle_wait_ms).
     policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT,
-                              idle_ms=liveness_idle_wait_ms(settings))
+                              idle_cap=idle_cap)
     if policy is not None and policies is not None:
         policies.append(policy)
     order = {f.spec.name: i for i, f in enumerate(follows)}
@@ -77,7 +79,7 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, policies: 
         await consumer.seek_to_beginning(*tps)
         while True:
             # Each getmany costs ~0.1 ms of CPU even when empty: poll slowly once caught up.
-            batches = await consumer.getmany(timeout_ms=200 if pending else 1000, max_records=5000)
+            batches = await consumer.getmany(timeout_ms=200 if pending else FOLLOW_POLL_MS, max_records=5000)
             if not batches and pending:
                 for event in pending:
                     event.set()

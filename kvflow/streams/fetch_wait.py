@@ -86,6 +86,10 @@ class FetchWaitPolicy:
     """True while the consumer's process waits on records it will read (e.g.
     a client with streams in flight): counts as activity, so the consumer
     never parks in a long poll then. None: never busy."""
+    idle_cap: Callable[[], int] | None = None
+    """Called before each quiet-spell fetch: the most that wait may be now (ms),
+    e.g. the bound a heartbeat reader needs to see beats before workers
+    expire (:func:`kvflow.streams.workers.liveness_wait`). None: ``idle_ms``."""
     rung: bool = False
     """Every writer of the records that make this consumer active rings it
     (:func:`produced`; e.g. a worker's queue, which only routers and
@@ -147,9 +151,8 @@ class FetchWaitPolicy:
             return self.catch_up_ms
         if quiet < 0:
             return self.active_ms
-        if self.rung or quiet >= 32:
-            return self.idle_ms
-        return int(min(self.idle_ms, self.active_ms * 2 ** quiet))
+        wait = self.idle_ms if self.rung or quiet >= 32 else int(min(self.idle_ms, self.active_ms * 2 ** quiet))
+        return wait if self.idle_cap is None else min(wait, self.idle_cap())
 
 
 def _states(assignment: Any) -> list[PartitionState]:

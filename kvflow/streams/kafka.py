@@ -89,17 +89,20 @@ record)."""
 
 def fetch_wait_policy(settings: Settings, hot: Callable[[str], bool] | None = None,
                       idle_ms: int | None = None, busy: Callable[[], bool] | None = None,
-                      rung: bool = False) -> FetchWaitPolicy:
+                      rung: bool = False, idle_cap: Callable[[], int] | None = None) -> FetchWaitPolicy:
     """The adaptive fetch-wait policy the settings describe (see :mod:`kvflow.streams.fetch_wait`);
-    ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms``; ``busy`` says when
+    ``idle_ms`` caps the quiet wait below ``settings.fetch_idle_wait_ms`` (``fetch_rung_idle_wait_ms``
+    when ``rung``); ``idle_cap`` is called
+    before each quiet fetch for a cap that varies (:attr:`FetchWaitPolicy.idle_cap`); ``busy`` says when
     the consumer must not park in a long poll (see :attr:`FetchWaitPolicy.busy`); ``rung``: every
     writer of its hot records rings it (:attr:`FetchWaitPolicy.rung`; its active window is then
     at most :data:`RUNG_ACTIVE_WINDOW_S`)."""
-    idle = settings.fetch_idle_wait_ms if idle_ms is None else min(idle_ms, settings.fetch_idle_wait_ms)
+    longest = settings.fetch_rung_idle_wait_ms if rung else settings.fetch_idle_wait_ms
+    idle = longest if idle_ms is None else min(idle_ms, longest)
     window = min(settings.fetch_active_window_s, RUNG_ACTIVE_WINDOW_S) if rung else settings.fetch_active_window_s
     return FetchWaitPolicy(active_ms=settings.fetch_max_wait_ms, idle_ms=idle,
                            catch_up_ms=settings.fetch_catch_up_wait_ms,
-                           active_window_s=window, hot=hot, busy=busy, rung=rung)
+                           active_window_s=window, hot=hot, busy=busy, rung=rung, idle_cap=idle_cap)
 
 
 def open_doorbell(settings: Settings) -> bool:
@@ -120,12 +123,14 @@ def open_doorbell(settings: Settings) -> bool:
 
 def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
                      hot: Callable[[str], bool] | None = None, *, idle_ms: int | None = None,
-                     busy: Callable[[], bool] | None = None, rung: bool = False) -> FetchWaitPolicy | None:
+                     busy: Callable[[], bool] | None = None, rung: bool = False,
+                     idle_cap: Callable[[], int] | None = None) -> FetchWaitPolicy | None:
     """Give a started consumer of the embedded broker an adaptive fetch wait,
     and open this process's doorbell (:func:`open_doorbell`).
 
     ``hot``: topics whose records count as activity (None: all; :func:`NOT_HOT`
-    for background consumers); ``idle_ms``: a lower cap on its quiet wait;
+    for background consumers); ``idle_ms``: a lower cap on its quiet wait; ``idle_cap``: a cap
+    that varies (:attr:`FetchWaitPolicy.idle_cap`);
     ``busy``: see :attr:`FetchWaitPolicy.busy`; ``rung``: see :attr:`FetchWaitPolicy.rung`
     (ignored when this process cannot open its doorbell).
     Returns the policy, or None on a real Kafka cluster, whose broker cuts
@@ -134,7 +139,8 @@ def adapt_fetch_wait(consumer: AIOKafkaConsumer, settings: Settings,
     if not settings.embedded_broker:
         return None
     ringable = open_doorbell(settings)
-    return install(consumer, fetch_wait_policy(settings, hot, idle_ms, busy, rung=rung and ringable))
+    return install(consumer, fetch_wait_policy(settings, hot, idle_ms, busy, rung=rung and ringable,
+                                               idle_cap=idle_cap))
 
 
 async def create_topics(settings: Settings, catalog: Catalog) -> list[str]:

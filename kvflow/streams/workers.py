@@ -37,9 +37,14 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.kafka import make_consumer
 
 __all__ = ["WorkerView", "Workers", "assign_workers_topic", "catch_up", "follow_workers", "read_workers",
-           "liveness_idle_wait_ms"]
+           "liveness_idle_wait_ms", "liveness_wait", "FOLLOW_POLL_MS"]
 
 log = logging.getLogger(__name__)
+
+FOLLOW_POLL_MS = 30_000
+"""``getmany`` timeout of a reader that follows a topic until cancelled: records
+end the wait at once and a cancel interrupts it, so a short timeout would only
+wake an idle process for nothing."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,11 @@ class Workers:
             del views[worker_id]
         return gone
 
+    def next_expiry_ms(self) -> int | None:
+        """When the first live worker expires unless it beats again (epoch ms,
+        ``last_seen_ms + ttl_ms``), or None with no live worker."""
+        return min((w.last_seen_ms + w.ttl_ms for w in self.views.values()), default=None)
+
     def serving(self, model: str | None = None) -> list[WorkerView]:
         """Serving workers (of ``model`` when given), sorted by worker id."""
         return sorted((w for w in self.views.values()
@@ -220,7 +230,7 @@ async def follow_workers(consumer: AIOKafkaConsumer, apply: Apply, retry_s: floa
     """
     while True:
         try:
-            batches = await consumer.getmany(timeout_ms=1000)
+            batches = await consumer.getmany(timeout_ms=FOLLOW_POLL_MS)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - keep following through broker hiccups
@@ -261,4 +271,28 @@ def liveness_idle_wait_ms(settings: Settings) -> int:
     bounds how late such a reader sees one; a longer wait would expire live
     workers."""
     return max(1, min(settings.fetch_idle_wait_ms, (settings.worker_ttl_ms - settings.heartbeat_interval_ms) // 2))
+
+
+def liveness_wait(settings: Settings, workers: Workers, clock: Callable[[], int] = now_ms) -> Callable[[], int]:
+    """The quiet-wait cap (ms, called before each fetch) of a consumer whose
+    reader judges liveness from ``workers``: ``next_expiry - now - bound``,
+    clamped to ``[bound, fetch_idle_wait_ms]``, where ``bound`` is
+    :func:`liveness_idle_wait_ms` and ``clock`` returns epoch ms.
+
+    A heartbeat written at ``t`` is then seen by ``t + bound`` at the
+    latest, as with a fixed ``bound`` wait: a fetch sent with a longer wait
+    returns ``bound`` before any worker can expire. But an idle deployment,
+    whose workers beat every ``heartbeat_idle_ms`` with a TTL stretched to
+    match, is fetched about once per idle period instead of once per
+    ``bound`` (the broker's requests are most of kvflow's idle CPU)."""
+    bound = liveness_idle_wait_ms(settings)
+    longest = max(bound, settings.fetch_idle_wait_ms)
+
+    def cap() -> int:
+        expiry = workers.next_expiry_ms()
+        if expiry is None:
+            return longest
+        return int(min(longest, max(bound, expiry - clock() - bound)))
+
+    return cap
 

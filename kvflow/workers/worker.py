@@ -111,6 +111,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
+from kvflow.streams.workers import FOLLOW_POLL_MS
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer, ServesLora
@@ -917,7 +918,7 @@ class Worker:
     async def _control_listener(self) -> None:
         while True:
             try:
-                batches = await self.consumer.getmany(*self.control_tps, timeout_ms=1000)
+                batches = await self.consumer.getmany(*self.control_tps, timeout_ms=FOLLOW_POLL_MS)
             except Exception:  # noqa: BLE001 - keep listening through transient broker errors
                 log.exception("control consumer failed; retrying")
                 await asyncio.sleep(0.5)

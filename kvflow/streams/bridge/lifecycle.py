@@ -27,7 +27,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.fetch_wait import wake
 from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, create_topics, make_consumer, make_producer
-from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers, liveness_idle_wait_ms
+from kvflow.streams.workers import assign_workers_topic, catch_up, follow_workers, liveness_wait
 
 __all__ = ["kafka_bridge_state"]
 
@@ -73,14 +73,16 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
         await consumer.start()
         stack.push_async_callback(consumer.stop)
         # Heartbeats do not make it poll fast; its idle wait is bounded by what liveness tolerates.
-        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_ms=liveness_idle_wait_ms(settings))
+        adapt_fetch_wait(consumer, settings, NOT_HOT, idle_cap=liveness_wait(settings, registry.workers))
         await assign_workers_topic(consumer, catalog)
         seen = await catch_up(consumer, registry.apply)
         applied = asyncio.Event()
+        beat = asyncio.Event()  # wakes the tokenizer pre-loader, which need not poll
 
         def apply(hb) -> None:
             registry.apply(hb)
             applied.set()  # wakes a request waiting for its model's first worker
+            beat.set()
 
         follower = asyncio.create_task(follow_workers(consumer, apply), name="kvflow-bridge-workers")
         stack.push_async_callback(_cancel, follower)
@@ -89,7 +91,8 @@ async def kafka_bridge_state(settings: Settings, catalog: Catalog, *, slot: int 
             stack.push_async_callback(pool.close)
         tokenizers = TokenizerCache(pool=pool)
         warm = asyncio.create_task(prewarm(tokenizers, lambda: [s for m in registry.models()
-                                                                 if (s := registry.tokenizer_spec(m))]),
+                                                                 if (s := registry.tokenizer_spec(m))],
+                                           interval_s=10.0, changed=beat),
                                    name="kvflow-bridge-tokenizers")
         stack.push_async_callback(_cancel, warm)
 

@@ -12,6 +12,7 @@ when it has one (``settings.bridge_tokenize_processes``), else in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,9 +100,12 @@ async def encode_prompt(tokenizer: Any, text: str, *, pool: TokenizePool | None 
     return await asyncio.to_thread(tokenizer.encode_prompt, text)
 
 
-async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], interval_s: float = 1.0) -> None:
+async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], interval_s: float = 1.0,
+                  changed: asyncio.Event | None = None) -> None:
     """Load every tokenizer ``specs()`` names (the live workers' models) before
-    a request needs it, checking every ``interval_s``; runs until cancelled.
+    a request needs it, checking every ``interval_s``, and at once when
+    ``changed`` is set (it is cleared here; e.g. set on every heartbeat folded
+    in, so an idle bridge need not poll often); runs until cancelled.
 
     The first load of a Hugging Face tokenizer imports transformers, holding
     the interpreter lock for seconds: done on the first request, it stalled
@@ -119,4 +123,9 @@ async def prewarm(cache: TokenizerCache, specs: Callable[[], Sequence[str]], int
                     warmed.add(spec)
             except Exception as exc:  # noqa: BLE001 - the request path reports it if it persists
                 log.warning("cannot pre-load tokenizer %r: %s", spec, exc)
-        await asyncio.sleep(interval_s)
+        if changed is None:
+            await asyncio.sleep(interval_s)
+            continue
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), interval_s)
+        changed.clear()
