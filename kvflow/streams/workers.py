@@ -263,13 +263,13 @@ async def read_workers(settings: Settings, catalog: Catalog, idle_ms: int = 300,
 
 
 def liveness_idle_wait_ms(settings: Settings) -> int:
-    """Longest idle fetch long-poll (ms) of a consumer whose reader judges worker
-    liveness from heartbeats (router, bridge): half the silence a busy
-    worker's TTL tolerates after a missed beat, ``(worker_ttl_ms -
-    heartbeat_interval_ms) / 2`` (2,000 at the defaults), and never above
-    ``fetch_idle_wait_ms``. Periodic heartbeats ring no doorbell, so this
-    bounds how late such a reader sees one; a longer wait would expire live
-    workers."""
+    """How late (ms) a reader that judges worker liveness from heartbeats
+    (router, bridge) may see a heartbeat when an expiry is near: half the
+    silence a busy worker's TTL tolerates after a missed beat,
+    ``(worker_ttl_ms - heartbeat_interval_ms) / 2`` (2,000 at the defaults),
+    and never above ``fetch_idle_wait_ms``. Periodic heartbeats ring no
+    doorbell, so the reader's fetch wait sets how late it sees one; a longer
+    wait near an expiry would expire live workers (:func:`liveness_wait`)."""
     return max(1, min(settings.fetch_idle_wait_ms, (settings.worker_ttl_ms - settings.heartbeat_interval_ms) // 2))
 
 
@@ -286,7 +286,7 @@ def liveness_wait(settings: Settings, workers: Workers, clock: Callable[[], int]
     match, is fetched about once per idle period instead of once per
     ``bound`` (the broker's requests are most of kvflow's idle CPU)."""
     bound = liveness_idle_wait_ms(settings)
-    longest = max(bound, settings.fetch_idle_wait_ms)
+    longest = settings.fetch_idle_wait_ms  # never below bound
 
     def cap() -> int:
         expiry = workers.next_expiry_ms()
