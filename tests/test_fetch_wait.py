@@ -203,12 +203,11 @@ async def test_a_parked_consumer_is_cut_short(kafka, waiter, how):
     t = TopicPartition(topic, 0)
     consumer.assign([t])
     await consumer.seek_to_end(t)
-    p = install(consumer, FetchWaitPolicy(active_ms=10, idle_ms=20_000, active_window_s=0.0))
+    # Rung: it parks in its 20 s poll at once instead of stepping the wait up through ~20 s of quiet.
+    p = install(consumer, FetchWaitPolicy(active_ms=10, idle_ms=20_000, active_window_s=0.0, rung=True))
     reader = asyncio.create_task(read())
     try:
-        # Parked: the wait doubles each quiet second from 10 ms and reaches 20 s after ~11 s, in a fetch
-        # that starts once the one before it ends (the broker holds a fetch up to 10 s): ~20 s when quiet.
-        await waiter(lambda: p.sent_ms == 20_000, timeout_s=120)
+        await waiter(lambda: p.sent_ms == 20_000 and consumer._fetcher._in_flight, timeout_s=120)
         await producer.send_and_wait(topic, b"x", partition=0)
         wake(consumer) if how == "wake" else produced(topic)
         await waiter(lambda: got, timeout_s=5)
