@@ -91,7 +91,8 @@ class Settings(BaseSettings):
     loopback datagram) or a writer runs on another host than the embedded
     broker's doorbell directory. Four idle workers at 15,000 instead of
     5,000 send the broker 0.5 fewer requests per second (docs/benchmarks.md,
-    "idle"). At most 30,000, as ``fetch_idle_wait_ms``. Defaults to 15,000."""
+    "readers park until a worker could expire"). At most 30,000, as
+    ``fetch_idle_wait_ms``. Defaults to 15,000."""
 
     fetch_catch_up_wait_ms: int = Field(default=250, ge=1)
     """Fetch long-poll of a consumer of the embedded broker that is behind its
