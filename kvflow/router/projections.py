@@ -20,8 +20,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
-from kvflow.streams.kafka import NOT_HOT, adapt_fetch_wait, make_consumer
-from kvflow.streams.workers import FOLLOW_POLL_MS
+from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer
 
 __all__ = ["Follow", "follow_topics"]
 

@@ -24,7 +24,8 @@ from kvflow.streams.kafka_security import client_security
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
 __all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
-           "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT"]
+           "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT",
+           "FOLLOW_POLL_MS"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -77,6 +78,12 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
 def NOT_HOT(topic: str) -> bool:
     """Hot-topic predicate of background consumers: no record makes them poll fast."""
     return False
+
+
+FOLLOW_POLL_MS = 30_000
+"""``getmany`` timeout of a reader that follows a topic until cancelled: records
+end the wait at once and a cancel interrupts it, so a short timeout would only
+wake an idle process for nothing."""
 
 
 RUNG_ACTIVE_WINDOW_S = doorbell.RING_GAP_S + 0.25

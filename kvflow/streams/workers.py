@@ -34,17 +34,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from kvflow.schemas import RecordError, WorkerHeartbeat, WorkerRole, WorkerStatus, decode, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import make_consumer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, make_consumer
 
 __all__ = ["WorkerView", "Workers", "assign_workers_topic", "catch_up", "follow_workers", "read_workers",
-           "liveness_idle_wait_ms", "liveness_wait", "FOLLOW_POLL_MS"]
+           "liveness_idle_wait_ms", "liveness_wait"]
 
 log = logging.getLogger(__name__)
-
-FOLLOW_POLL_MS = 30_000
-"""``getmany`` timeout of a reader that follows a topic until cancelled: records
-end the wait at once and a cancel interrupts it, so a short timeout would only
-wake an idle process for nothing."""
 
 
 @dataclass(frozen=True)

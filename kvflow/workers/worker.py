@@ -109,9 +109,8 @@ from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, p
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
 from kvflow.streams.fetch_wait import produced
-from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
-from kvflow.streams.workers import FOLLOW_POLL_MS
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer, ServesLora
