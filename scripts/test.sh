@@ -22,5 +22,7 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORKERS="${KVFLOW_TEST_WORKERS:-2}"
 XDIST=()
-if [ "$WORKERS" != "0" ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+# --no-loadscope-reorder: hand out files in collection order, where tests/conftest.py puts the
+# slowest first (xdist's default order, most tests first, started them last).
+if [ "$WORKERS" != "0" ]; then XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 exec .venv/bin/python -m pytest -q -ra "${XDIST[@]}" "$@"

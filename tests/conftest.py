@@ -21,6 +21,35 @@ from kvflow.streams.kafka import create_topics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+SLOW_FILES_FIRST = (
+    "tests/test_vllm_disagg.py",
+    "tests/test_e2e_vllm.py",
+    "tests/test_disagg_e2e.py",
+    "tests/test_chaos.py",
+    "tests/test_e2e_hf.py",
+    "tests/test_tokenize_pool.py",
+    "tests/test_worker_lost.py",
+    "tests/test_vllm_admin.py",
+    "tests/test_embeddings.py",
+    "tests/test_models_tokenizer.py",
+    "tests/test_planner_offline.py",
+    "tests/test_engine_hf_lora.py",
+)
+"""The slowest test files (CI durations, slowest first), which run before all others."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the tests of :data:`SLOW_FILES_FIRST` to the front, in that order.
+
+    Under ``-n 2 --dist loadfile --no-loadscope-reorder`` (``scripts/test.sh``)
+    xdist hands out files in collection order: the longest ones start first
+    instead of last, where one of them kept a single worker busy alone for
+    minutes. The sort is stable, so every other test keeps its place and
+    every worker collects the same order.
+    """
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
 
 @pytest_asyncio.fixture(scope="session")
 async def broker():
