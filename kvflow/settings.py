@@ -161,6 +161,12 @@ class Settings(BaseSettings):
     kv_decode_weight: float = Field(default=8.0, ge=0)
     """``kv``/``approx`` routing: prefill blocks one running request weighs. Defaults to 8."""
 
+    kv_stall_weight: float = Field(default=0.0, ge=0)
+    """``kv``/``approx`` routing: extra cost per uncached prefill block of a
+    request on a worker that is running requests (their decodes stall behind
+    the prefill). Helps long prompts with short outputs, hurts conversation
+    traffic (``kvflow.router.kv_policy``). Defaults to 0 (off)."""
+
     kv_temperature: float = Field(default=0.0, ge=0)
     """``kv``/``approx`` routing: 0 picks the cheapest worker; > 0 samples by
     softmax over normalised costs. Defaults to 0."""

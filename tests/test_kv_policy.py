@@ -235,9 +235,31 @@ def test_weights_come_from_the_settings(monkeypatch):
 
     monkeypatch.setenv("KVFLOW_KV_DECODE_WEIGHT", "2.5")
     monkeypatch.setenv("KVFLOW_KV_TEMPERATURE", "0.1")
+    monkeypatch.setenv("KVFLOW_KV_STALL_WEIGHT", "0.5")
     cfg = KvPolicyConfig.from_settings(Settings())
     assert (cfg.decode_weight, cfg.temperature, cfg.queue_weight, cfg.overlap_credit) == (2.5, 0.1, 0.5, 1.0)
+    assert cfg.stall_weight == 0.5 and KvPolicyConfig().stall_weight == 0.0
     assert KvPolicyConfig.from_settings(Settings(kv_queue_weight=0)).queue_weight == 0
+
+
+def test_a_stall_weight_sends_a_long_prompt_to_an_idle_worker_instead_of_a_busy_one_holding_its_prefix():
+    # w0 holds 8 of the 20 prompt blocks and runs one request; w1 is idle and holds nothing.
+    index = KvIndex(BS)
+    store(index, "w0", 8)
+    table = table_with(heartbeat("w0", active=1), heartbeat("w1"), index=index)
+    # off (default): w0 costs 12 + 8 = 20, w1 20; the tie goes to w0
+    assert select_worker("kv", request(), table).worker_id == "w0"
+    # 0.5: w0's 12 uncached blocks would stall its running request, 20 + 0.5 * 12 = 26 > 20
+    table.kv_config = KvPolicyConfig(stall_weight=0.5)
+    d = select_worker("kv", request(), table)
+    assert d.worker_id == "w1" and d.cost == pytest.approx(20.0)
+    assert {c.worker_id: c.cost for c in d.candidates}["w0"] == pytest.approx(26.0)
+    # with both workers running requests the weight charges each its own uncached prefill: w0 wins again
+    busy = table_with(heartbeat("w0", active=1), heartbeat("w1", active=1), index=index)
+    busy.kv_config = KvPolicyConfig(stall_weight=0.5)
+    assert select_worker("kv", request(), busy).worker_id == "w0"
+    with pytest.raises(ValueError, match="stall_weight"):
+        KvPolicyConfig(stall_weight=-0.1)
 
 
 # --- per-candidate terms (the routing-decisions record) -----------------------------------------------------------
@@ -246,17 +268,20 @@ def test_weights_come_from_the_settings(monkeypatch):
 def recomputed(cfg: KvPolicyConfig, t) -> float:
     """A candidate's cost from its published terms, by the documented formula."""
     return (cfg.prefill_load_scale * (t.prefill_blocks + cfg.queue_weight * t.queued_prefill_blocks)
-            + cfg.decode_weight * t.decode_requests)
+            + cfg.decode_weight * t.decode_requests
+            + (cfg.stall_weight * t.prefill_blocks if t.decode_requests else 0.0))
 
 
+@pytest.mark.parametrize("stall_weight", [0.0, 0.5])
 @pytest.mark.parametrize("policy", ["kv", "approx"])
-def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy):
-    cfg = KvPolicyConfig()
+def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy, stall_weight):
+    cfg = KvPolicyConfig(stall_weight=stall_weight)
     index = KvIndex(BS)
     store(index, "w1", 12)
     table = table_with(heartbeat("w0", active=1, prefill_tokens=48), heartbeat("w1", active=2, waiting=1),
                        heartbeat("w2"), index=index if policy == "kv" else None)
     note_routed(table, "w2")  # a request routed since w2's heartbeat: queued prefill and decode load
+    table.kv_config = cfg
     req = request(isl=330, now_ms=1)
     d = select_worker(policy, req, table)
     terms = {t.worker_id: t for t in d.candidates}

@@ -106,6 +106,9 @@ def replay(
     kv_decode_weight: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_decode_weight", "offline kv/approx routing: prefill blocks one running request "
                                                  "weighs"))] = None,
+    kv_stall_weight: Annotated[Optional[float], typer.Option(
+        min=0, help=env_help("kv_stall_weight", "offline kv/approx routing: extra cost per uncached prefill block on "
+                                                "a worker running requests"))] = None,
     kv_temperature: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_temperature", "offline kv/approx routing: 0 = cheapest worker, > 0 = softmax "
                                                "sampling"))] = None,
@@ -232,7 +235,8 @@ def replay(
                                             "--correction-smoothing", correction_smoothing)
     kv_weights = {k: v for k, v in (("kv_overlap_credit", kv_overlap_credit), ("kv_host_weight", kv_host_weight),
                                      ("kv_disk_weight", kv_disk_weight), ("kv_queue_weight", kv_queue_weight),
-                                     ("kv_decode_weight", kv_decode_weight), ("kv_temperature", kv_temperature))
+                                     ("kv_decode_weight", kv_decode_weight), ("kv_stall_weight", kv_stall_weight),
+                                     ("kv_temperature", kv_temperature))
                   if v is not None}
     shedding = shed.given()
     if mode == "offline":

@@ -21,6 +21,7 @@ block-equivalents)::
     decode_requests  = active_requests + routed_since_heartbeat    running (decoding) requests on w
     cost = prefill_load_scale · (adjusted_prefill + queue_weight · queued_prefill)
            + decode_weight · decode_requests
+           + stall_weight · adjusted_prefill   (only when decode_requests > 0)
 
 Why these terms:
 
@@ -39,6 +40,16 @@ Why these terms:
   1/16 per block) raised TPOT p99 from 20.5 to 28.6 ms and lowered the hit
   rate. KV memory pressure is handled by load shedding instead
   (:mod:`kvflow.router.shedding`, ``kv_threshold``).
+* ``stall_weight`` (0 by default, i.e. off) charges the request's own
+  uncached prefill once more on a worker that is running requests: its
+  prefill chunks share that worker's steps and stall every decode there.
+  With it, a long prompt whose shared prefix sits on a busy worker goes to
+  an idle one instead. It helps traffic of long prompts with short outputs
+  and hurts conversation traffic: on the synthetic long-prompt trace (300
+  requests, 4 workers) a weight of 0.5 took the per-request ITL p99 of the
+  offline replay from 18.1 to 12.1 ms, and on the first 300 requests of the
+  Mooncake conversation trace (4 workers) it raised it from 36.7 to 63.8 ms
+  (``docs/benchmarks.md``, "Routing and the long-prompt ITL tail").
 * Requests a worker took or was sent after its last heartbeat are not yet
   in the heartbeat's figures; the router counts them itself, with the
   prompt tokens each is expected to compute, and drops requests that ended
@@ -134,6 +145,10 @@ class KvPolicyConfig:
             Defaults to ``8.0`` (kvflow's choice, tuned on the Mooncake and
             Azure replays, see the module docstring; 8 blocks of 64 tokens
             = 512 prompt tokens).
+        stall_weight: extra cost per uncached prefill block of the request
+            on a worker with running requests (their decodes stall behind
+            its prefill). Defaults to ``0.0`` (off; kvflow's choice, see the
+            module docstring for what it trades).
         temperature: 0 = argmin; > 0 = softmax sampling over normalised
             costs. Defaults to ``0.0`` (Dynamo's ``--router-temperature``
             default).
@@ -154,13 +169,14 @@ class KvPolicyConfig:
     prefill_load_scale: float = 1.0
     queue_weight: float = 0.5
     decode_weight: float = 8.0
+    stall_weight: float = 0.0
     temperature: float = 0.0
     approx_ttl_ms: int = 600_000
 
     @classmethod
     def from_settings(cls, settings: Any) -> "KvPolicyConfig":
         """The weights set by ``settings`` (``kv_overlap_credit``, ``kv_host_weight``,
-        ``kv_disk_weight``, ``kv_queue_weight``, ``kv_decode_weight``, ``kv_temperature``
+        ``kv_disk_weight``, ``kv_queue_weight``, ``kv_decode_weight``, ``kv_stall_weight``, ``kv_temperature``
         of :class:`kvflow.settings.Settings`); the other fields keep their defaults.
 
         Raises:
@@ -168,11 +184,12 @@ class KvPolicyConfig:
         """
         return cls(overlap_credit=settings.kv_overlap_credit, host_weight=settings.kv_host_weight,
                    disk_weight=settings.kv_disk_weight, queue_weight=settings.kv_queue_weight,
-                   decode_weight=settings.kv_decode_weight, temperature=settings.kv_temperature)
+                   decode_weight=settings.kv_decode_weight, stall_weight=settings.kv_stall_weight,
+                   temperature=settings.kv_temperature)
 
     def __post_init__(self) -> None:
         for name in ("overlap_credit", "host_weight", "disk_weight", "prefill_load_scale", "queue_weight",
-                     "decode_weight", "temperature", "approx_ttl_ms"):
+                     "decode_weight", "stall_weight", "temperature", "approx_ttl_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -194,11 +211,12 @@ def worker_terms(req: RouteRequest, candidates: Sequence[WorkerView], scores: Ov
     the cache credit, ≥ 0), ``queued_prefill_blocks``, ``decode_requests``
     and ``cost`` (KV blocks; lower is better), such that
     ``cost = prefill_load_scale · (prefill_blocks + queue_weight · queued_prefill_blocks)
-    + decode_weight · decode_requests``.
+    + decode_weight · decode_requests`` (+ ``stall_weight · prefill_blocks`` when
+    ``decode_requests`` > 0).
     """
     dev, host, disk = scores.device, scores.host, scores.disk
     credit, wh, wd = cfg.overlap_credit, cfg.host_weight, cfg.disk_weight
-    scale, wq, wdec = cfg.prefill_load_scale, cfg.queue_weight, cfg.decode_weight
+    scale, wq, wdec, wstall = cfg.prefill_load_scale, cfg.queue_weight, cfg.decode_weight, cfg.stall_weight
     tiers = bool(host or disk)
     terms = []
     for w in candidates:
@@ -218,10 +236,13 @@ def worker_terms(req: RouteRequest, candidates: Sequence[WorkerView], scores: Ov
         routed_prefill = w.routed_prefill_tokens
         queued = w.active_prefill_tokens / bs + (routed * prefill if routed_prefill is None else routed_prefill / bs)
         decoding = w.active_requests + routed
+        cost = scale * (adjusted + wq * queued) + wdec * decoding
+        if decoding and wstall:
+            cost += wstall * adjusted
         terms.append(CandidateCost(
             worker_id=wid, overlap_blocks=overlap, host_overlap_blocks=on_host, disk_overlap_blocks=on_disk,
             prefill_blocks=adjusted, queued_prefill_blocks=queued, decode_requests=decoding,
-            load=w.load, cost=scale * (adjusted + wq * queued) + wdec * decoding))
+            load=w.load, cost=cost))
     return terms
 
 

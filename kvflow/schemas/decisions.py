@@ -34,6 +34,7 @@ class CandidateCost(BaseModel):
 
         cost = prefill_load_scale · (prefill_blocks + queue_weight · queued_prefill_blocks)
                + decode_weight · decode_requests
+               + stall_weight · prefill_blocks   (only when decode_requests > 0)
 
     Attributes:
         worker_id: the candidate.
