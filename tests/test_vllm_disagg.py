@@ -241,12 +241,8 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     prompts = [tokenizer.encode_prompt(" ".join([p] * 5)) for p in PROMPTS]
     assert all(len(p) > 2 * BLOCK for p in prompts)
 
-    store = tmp_path / "kv"
     reference = _engine(None)
-    prefill_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.prefill, str(store)))
-    decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
-    # Started together: a start is mostly vLLM's processes importing, which overlap.
-    await asyncio.gather(reference.start(), prefill_engine.start(), decode_engine.start())
+    await reference.start()
     try:
         expected = []
         for i, ids in enumerate(prompts):
@@ -257,6 +253,11 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     finally:
         await reference.stop()
 
+    store = tmp_path / "kv"
+    prefill_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.prefill, str(store)))
+    decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
+    await prefill_engine.start()
+    await decode_engine.start()
     workers = [Worker(steady(settings), WorkerConfig(worker_id="pre-0", slot=0, model=MODEL, role=WorkerRole.prefill),
                       prefill_engine, catalog),
                Worker(steady(settings), WorkerConfig(worker_id="dec-0", slot=0, model=MODEL, role=WorkerRole.decode),
