@@ -380,15 +380,6 @@ _END = object()  # vLLM's stream ended
 _ABORTED = object()  # kvflow aborted the request
 
 
-def _shutdown_built(build: asyncio.Future) -> None:
-    """Shut down the engine a cancelled :meth:`VllmEngine.start` went on building."""
-    if not build.cancelled() and build.exception() is None:
-        try:
-            build.result().shutdown()
-        except Exception:
-            log.exception("vLLM shutdown failed")
-
-
 class VllmEngine(Engine):
     """vLLM's async engine serving kvflow requests, with KV events in kvflow hashes.
 
@@ -441,7 +432,6 @@ class VllmEngine(Engine):
         self._lora_users: dict[str, str] = {}  # request id in flight → its adapter's name
         self._next_lora_id = 1  # vLLM's lora_int_id: unique and > 0 per adapter loaded
         self._lora_lock = asyncio.Lock()
-        self._start_lock = asyncio.Lock()
 
     # ---- model and tokenizer ------------------------------------------
 
@@ -482,10 +472,6 @@ class VllmEngine(Engine):
                 device, out of memory, unsupported model, ...).
             kvflow.models.resolve.ModelNotFoundError: unknown model spec.
         """
-        async with self._start_lock:  # a second caller waits for the first start, then returns
-            await self._start()
-
-    async def _start(self) -> None:
         if self._engine is not None:
             return
         try:
@@ -514,16 +500,8 @@ class VllmEngine(Engine):
         except ImportError as exc:
             raise EngineError(str(exc)) from exc
         self.kv_subscriber = subscriber
-        # In a thread: vLLM's start-up (engine-core processes, handshake) takes 20-100 s on a
-        # CPU, and the loop keeps serving meanwhile (heartbeats, another engine starting).
-        # AsyncLLM starts its output handler on the loop at the first request.
-        build = asyncio.ensure_future(asyncio.to_thread(self._build, model_path, args))
         try:
-            self._engine = await asyncio.shield(build)
-        except asyncio.CancelledError:
-            build.add_done_callback(_shutdown_built)
-            await self._close_subscriber()
-            raise
+            self._engine = self._build(model_path, args)
         except Exception as exc:
             await self._close_subscriber()
             raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
