@@ -369,16 +369,21 @@ async def test_smollm2_disaggregated_matches_aggregated_through_the_bridge(broke
             await sup.scale(WorkerRole.aggregated, 1)
             await sup.wait_workers_ready(1, timeout_s=240)
             aggregated = [await ask(http, p) for p in PROMPTS]
-            await sup.scale(WorkerRole.aggregated, 0)
-            deadline = asyncio.get_running_loop().time() + 60
-            while sup.router.table.workers and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.1)
-            assert not sup.router.table.workers
-            before = (await http.get("/metrics")).text
 
-            # Disaggregated: one prefill worker, one decode worker.
+            # Disaggregated: one prefill worker, one decode worker, starting while the
+            # aggregated one drains; no request is sent before it has left the table.
             await sup.scale(WorkerRole.prefill, 1)
             await sup.scale(WorkerRole.decode, 1)
+            await sup.scale(WorkerRole.aggregated, 0)
+
+            def aggregated_left() -> bool:
+                return all(w.role != WorkerRole.aggregated for w in sup.router.table.workers.values())
+
+            deadline = asyncio.get_running_loop().time() + 60
+            while not aggregated_left() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            assert aggregated_left()
+            before = (await http.get("/metrics")).text
             await sup.wait_workers_ready(2, timeout_s=240)
             disaggregated = [await ask(http, p) for p in PROMPTS]
             after = (await http.get("/metrics")).text
