@@ -42,10 +42,11 @@ def pytest_collection_modifyitems(config, items):
     """Move the tests of :data:`SLOW_FILES_FIRST` to the front, in that order.
 
     Under ``-n 2 --dist loadfile --no-loadscope-reorder`` (``scripts/test.sh``)
-    xdist hands out files in collection order: the longest ones start first
-    instead of last, where one of them kept a single worker busy alone for
-    minutes. The sort is stable, so every other test keeps its place and
-    every worker collects the same order.
+    xdist hands out files in collection order, so the longest start first.
+    xdist's default order (files with the most tests first) put most of them,
+    having one to three tests, near the end, where one alone could hold a
+    worker for minutes while the other had nothing left. The sort is stable:
+    every other test keeps its place and every worker collects the same order.
     """
     rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
