@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import numpy as np
@@ -91,6 +92,19 @@ async def nixl_reader() -> KvTransport:
         return await reader("nixl")
     except TransferError as exc:
         pytest.skip(f"NIXL cannot initialise on this machine: {exc}")
+
+
+async def test_the_nixl_agent_is_created_with_cuda_ipc_reads_enabled_unless_the_environment_says_otherwise(monkeypatch):
+    # UCX reads the variable when the agent's context is created; NIXL pulls with READ,
+    # which UCX only serves over cuda_ipc between GPUs without NVLink when it is on.
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    first = await nixl_reader()
+    await first.close()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
+    second = await nixl_reader()
+    await second.close()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
 
 
 async def test_tcp_round_trip_between_processes():

@@ -23,7 +23,11 @@ Backends, chosen at run time by :meth:`KvTransport.start` and logged:
   core (see :attr:`TransferConfig.nixl_progress_thread`). A CUDA
   tensor is registered as ``VRAM`` (device id = its GPU index), so on GPU
   machines the bytes go GPU to GPU; kvflow's CI machine has no GPU, so that
-  path has not run there.
+  path has not run there. UCX reads GPU memory over ``cuda_ipc`` only where
+  reads are enabled, which it does by default only between GPUs joined by
+  NVLink; elsewhere NIXL's READ fell back to active messages over loopback
+  TCP (0.6 GB/s on one H200). The agent is therefore created with
+  :data:`UCX_ENV_DEFAULTS` (values already set in the environment win).
 * **TCP**, always offered by a source (every descriptor carries
   ``tcp_host``/``tcp_port``), used when NIXL is missing, fails to
   initialise, or a NIXL read fails. A small framed protocol on asyncio
@@ -46,6 +50,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -57,6 +62,16 @@ import numpy as np
 
 from kvflow.schemas import now_ms
 from kvflow.schemas.transfer import KvRegion, TransferDescriptor
+
+UCX_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+"""UCX settings put in the environment (unless already set) before the NIXL agent
+is created. ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``: UCX 1.23's ``cuda_ipc`` transport
+offers one-sided reads (get zcopy) by default (``auto``) only when it detects
+NVLink, because concurrent reads measured slower than writes over PCIe
+(openucx/ucx issue 7566); NIXL pulls with READ, so without it UCX emulated the
+reads over TCP. Measured with ``bench/kv_transfer.py --device cuda`` on one H200
+without NVLink peers (docs/benchmarks.md, "GPU memory"): 256 MiB pulls 0.62 GB/s
+with the default, ~210 GB/s with ``on``."""
 
 __all__ = ["TransferError", "TransferConfig", "KvTransport", "buffer_info"]
 
@@ -293,6 +308,8 @@ class KvTransport:
         self._started = True
 
     def _make_agent(self) -> tuple[Any, str]:
+        for key, value in UCX_ENV_DEFAULTS.items():  # read when UCX's context is created, below
+            os.environ.setdefault(key, value)
         from nixl._api import nixl_agent, nixl_agent_config
 
         agent_name = f"kvflow-{self.name}-{secrets.token_hex(4)}"
