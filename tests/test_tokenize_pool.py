@@ -4,6 +4,7 @@ dead child loses no request."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ import pytest
 from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
 from kvflow.streams.bridge import tokenize_worker
-from kvflow.streams.bridge.tokenize_pool import TokenizePool, pooled
+from kvflow.streams.bridge.tokenize_pool import TokenizePool, job_chars, pooled
 from kvflow.streams.bridge.tokenizers import TokenizerCache, encode_chat, encode_prompt
 
 SPEC = "SmolLM2-135M-Instruct"
@@ -53,6 +54,34 @@ async def test_pool_ids_equal_the_bridges_own_tokenizer_and_count_cache_hits(poo
     await cache.get(SPEC)
     own_hit, own_encoded = (local.chunk_cache.hit_chars, local.chunk_cache.miss_chars)
     assert cache.chunk_chars()[SPEC] == (own_hit + pool.chunk_chars[SPEC][0], own_encoded + pool.chunk_chars[SPEC][1])
+
+
+async def test_a_short_prompt_goes_to_the_child_with_less_work_not_behind_a_long_one(local):
+    # One long prompt on one child, one short on the other: a second short prompt joins the short
+    # one (both children hold one job), so it is answered before the long prompt is.
+    two = TokenizePool(2)
+    try:
+        assert await two.warm(SPEC)
+        done: list[str] = []
+
+        async def run(name: str, text: str) -> list[int]:
+            ids = await two.encode_prompt(SPEC, text, local)
+            done.append(name)
+            return ids
+
+        long_text = " ".join(f"chapter {i}: the quick brown fox jumps over the lazy dog." for i in range(30_000))
+        jobs = [asyncio.create_task(run("long", long_text)),
+                asyncio.create_task(run("short1", "A short question about foxes.")),
+                asyncio.create_task(run("short2", "Another short question, about dogs."))]
+        ids = await asyncio.gather(*jobs)
+        assert ids[2] == local.encode_prompt("Another short question, about dogs.")
+        assert done.index("short2") < done.index("long"), done
+        assert all(c.queued_chars == 0 and not c.sizes for c in two._children)
+    finally:
+        await two.close()
+    assert job_chars("prompt", "abc") == 3
+    assert job_chars("chat", [{"role": "user", "content": "ab"}, {"role": "user", "content": None}]) == 2
+    assert job_chars("warm", None) == 0
 
 
 async def test_byte_tokenizer_specs_stay_in_process(pool):

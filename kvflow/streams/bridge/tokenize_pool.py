@@ -13,7 +13,11 @@ children cost some CPU (their encoding and the pipes).
 A :class:`TokenizePool` runs the chat template and the encoding in
 ``processes`` children (:mod:`kvflow.streams.bridge.tokenize_worker`, started
 with ``python -m``, so nothing of the bridge's main module, threads or
-sockets is inherited), each job on the child with the fewest jobs in flight.
+sockets is inherited), each job on the child with the fewest prompt
+characters in flight (a child works its jobs one after another, and a burst
+of prompts mixes sizes: on the Mooncake slice up to 16 arrive at once, of
+900 to 120,000 tokens, so counting jobs would queue a short prompt behind a
+long one while the other child holds two short ones).
 Jobs and answers travel as frames on the children's stdin and stdout, read by
 one asyncio task per child: no thread of the bridge is involved. Only Hugging
 Face tokenizers go there (:func:`pooled`): the byte tokenizer of the mocker
@@ -47,7 +51,7 @@ from typing import Any
 
 from kvflow.streams.bridge.tokenize_worker import HEADER, frame
 
-__all__ = ["TokenizePool", "pooled", "RETRY_AFTER_S", "TokenizePoolError"]
+__all__ = ["TokenizePool", "pooled", "job_chars", "RETRY_AFTER_S", "TokenizePoolError"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,20 @@ class _Child:
     proc: asyncio.subprocess.Process
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     reader: asyncio.Task | None = None
+    sizes: dict[int, int] = field(default_factory=dict)
+    """Characters of each job in flight (job id → size)."""
+    queued_chars: int = 0
+    """Sum of ``sizes``: the work this child has been given and not answered."""
+
+
+def job_chars(kind: str, payload: Any) -> int:
+    """Prompt characters of one job (``kind`` ``"chat"``: the turns' contents;
+    ``"prompt"``: the text; anything else 0), the pool's measure of its work."""
+    if kind == "prompt":
+        return len(payload)
+    if kind == "chat":
+        return sum(len(c) if isinstance(c := turn.get("content"), str) else len(str(c or "")) for turn in payload)
+    return 0
 
 
 class TokenizePool:
@@ -125,6 +143,7 @@ class TokenizePool:
                 head = await stream.readexactly(HEADER.size)
                 job_id, status, value, hit, miss = pickle.loads(await stream.readexactly(HEADER.unpack(head)[0]))
                 future = child.pending.pop(job_id, None)
+                child.queued_chars -= child.sizes.pop(job_id, 0)
                 if future is not None and not future.done():
                     future.set_result((status, value, hit, miss))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -142,16 +161,20 @@ class TokenizePool:
             if not future.done():
                 future.set_exception(TokenizePoolError(f"tokenize child {child.proc.pid} ended"))
         child.pending.clear()
+        child.sizes.clear()
+        child.queued_chars = 0
 
     async def _run(self, spec: str, kind: str, payload: Any, child: _Child | None = None) -> tuple[str, Any, int, int]:
         if child is None:
             children = await self._ready()
             if not children:
                 raise TokenizePoolError("no tokenize child is running")
-            child = min(children, key=lambda c: len(c.pending))
+            child = min(children, key=lambda c: (c.queued_chars, len(c.pending)))
         job_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         child.pending[job_id] = future
+        size = child.sizes[job_id] = job_chars(kind, payload)
+        child.queued_chars += size
         try:
             child.proc.stdin.write(frame((job_id, spec, kind, payload)))
             await child.proc.stdin.drain()
