@@ -76,9 +76,8 @@ class _Child:
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     reader: asyncio.Task | None = None
     sizes: dict[int, int] = field(default_factory=dict)
-    """Characters of each job in flight (job id → size)."""
-    queued_chars: int = 0
-    """Sum of ``sizes``: the work this child has been given and not answered."""
+    """Characters of each job in flight (job id → size): the work this child
+    has been given and not answered."""
 
 
 def job_chars(kind: str, payload: Any) -> int:
@@ -143,7 +142,7 @@ class TokenizePool:
                 head = await stream.readexactly(HEADER.size)
                 job_id, status, value, hit, miss = pickle.loads(await stream.readexactly(HEADER.unpack(head)[0]))
                 future = child.pending.pop(job_id, None)
-                child.queued_chars -= child.sizes.pop(job_id, 0)
+                child.sizes.pop(job_id, None)
                 if future is not None and not future.done():
                     future.set_result((status, value, hit, miss))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -162,19 +161,17 @@ class TokenizePool:
                 future.set_exception(TokenizePoolError(f"tokenize child {child.proc.pid} ended"))
         child.pending.clear()
         child.sizes.clear()
-        child.queued_chars = 0
 
     async def _run(self, spec: str, kind: str, payload: Any, child: _Child | None = None) -> tuple[str, Any, int, int]:
         if child is None:
             children = await self._ready()
             if not children:
                 raise TokenizePoolError("no tokenize child is running")
-            child = min(children, key=lambda c: (c.queued_chars, len(c.pending)))
+            child = min(children, key=lambda c: (sum(c.sizes.values()), len(c.pending)))
         job_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         child.pending[job_id] = future
-        size = child.sizes[job_id] = job_chars(kind, payload)
-        child.queued_chars += size
+        child.sizes[job_id] = job_chars(kind, payload)
         try:
             child.proc.stdin.write(frame((job_id, spec, kind, payload)))
             await child.proc.stdin.drain()
