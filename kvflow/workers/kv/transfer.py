@@ -73,7 +73,7 @@ reads over TCP. Measured with ``bench/kv_transfer.py --device cuda`` on one H200
 without NVLink peers (docs/benchmarks.md, "GPU memory"): 256 MiB pulls 0.62 GB/s
 with the default, ~210 GB/s with ``on``."""
 
-__all__ = ["TransferError", "TransferConfig", "KvTransport", "buffer_info"]
+__all__ = ["TransferError", "TransferConfig", "KvTransport", "buffer_info", "UCX_ENV_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
