@@ -221,6 +221,14 @@ class Settings(BaseSettings):
     per fetch wait, so flushing more often only splits what arrives together
     (docs/benchmarks.md, "Live path"). Defaults to 40."""
 
+    response_slot_rotate_records: int = Field(default=1000, ge=0)
+    """On the embedded broker, a client (the bridge included) moves its new
+    requests to the least-filled other responses slot once its slot holds this
+    many records (0: never). That broker's fetch of a partition lists every
+    batch the partition ever stored, so a slot that keeps growing makes every
+    read of it dearer (docs/benchmarks.md, "Live path"). Ignored on a real
+    Kafka cluster. Defaults to 1000 (about ten streams of a few hundred tokens)."""
+
     request_timeout_s: float = Field(default=600.0, gt=0)
     """How long the bridge and client wait for a request's next response record
     (silence, not the whole request: that is bounded by its deadline). Defaults to 600."""

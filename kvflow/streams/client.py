@@ -32,8 +32,19 @@ delivered); :meth:`KvflowClient.resume` replays the request's records from
 the responses topic and continues live from there, on any client
 (:mod:`kvflow.streams.resume`).
 
+Slot rotation (embedded broker only): the embedded broker's memory store
+lists every stored batch of a partition on each fetch of it, so a slot's
+fetches get dearer with every worker flush it ever received
+(docs/benchmarks.md, "Live path"). Once the client's slot holds
+``settings.response_slot_rotate_records`` records, new requests name the
+least-filled other slot instead; the old slot is read until its streams end,
+then dropped. ``slot``/``reply_to`` always name the current slot; a request
+built for an earlier one of this client's slots is still accepted. A real
+Kafka cluster finds an offset through its index, so there the slot never
+moves.
+
 The responses reader is supervised: a reader that fails, or that makes no
-progress for ``STALL_S`` while its partition holds unread records, is
+progress for ``STALL_S`` while its partitions hold unread records, is
 replaced by a new consumer positioned at the first record not yet delivered,
 so no response is skipped or delivered twice; :meth:`KvflowClient.health`
 says whether the reader is keeping up (the bridge's ``/health`` uses it).
@@ -97,6 +108,10 @@ CANCEL_TIMEOUT_S = 5.0
 """Longest a stream past its deadline waits for the broker to take its cancel
 record before answering anyway (the worker also stops at the deadline)."""
 
+SLOT_GRACE_S = 30.0
+"""An earlier responses slot is read this long after the client moved off it
+(seconds) at least, and until its last stream ends."""
+
 STALL_S = 10.0
 """A responses reader with unread records on its partition and no record
 delivered for this long is restarted (seconds). A healthy reader behind by a
@@ -107,7 +122,7 @@ few thousand records catches up in well under a second."""
 class ReaderHealth:
     """State of a client's responses reader.
 
-    ``lag`` is unread records on the slot (high watermark − position, from
+    ``lag`` is unread records on the slots read (high watermark − position, from
     the last fetch; 0 when unknown); ``since_progress_s`` the seconds since
     the reader last delivered a record or found nothing to read;
     ``restarts`` how often the supervisor replaced the reader.
@@ -180,11 +195,12 @@ class ResponseStream:
 class KvflowClient:
     """Produce :class:`InferenceRequest` records and iterate their responses.
 
-    ``slot`` is the responses partition this client reads (random if not
-    given). Two clients sharing a slot still work (each ignores the other's
+    ``slot`` is the responses partition this client's new requests name
+    (random if not given; it moves on the embedded broker, see the module
+    doc). Two clients sharing a slot still work (each ignores the other's
     request ids) but read each other's traffic, and both dead-letter a
-    malformed record there. ``name`` prefixes the slot in the ``consumer``
-    of this client's dead letters (``bridge`` for the HTTP bridge).
+    malformed record there. ``name`` prefixes the first slot in the
+    ``consumer`` of this client's dead letters (``bridge`` for the HTTP bridge).
     """
 
     def __init__(self, settings: Settings, catalog: Catalog | None = None, slot: int | None = None,
@@ -198,13 +214,25 @@ class KvflowClient:
         self._consumer = make_consumer(settings)
         self._dlq = DeadLetterWriter(self._producer, self.catalog, consumer=f"{name}:{self.slot}")
         self._pending: dict[str, asyncio.Queue] = {}
+        self._pending_slot: dict[str, int] = {}  # request id -> the slot its records arrive on
         self._reader: asyncio.Task | None = None
-        self._tp = TopicPartition(self.catalog.responses.name, self.slot)
-        self._next_offset: int | None = None  # first record not yet delivered
-        self._progress = time.monotonic()  # last delivery, or last fetch that found the slot read to its end
+        # Slots read -> first record not yet delivered (None: the end, once the consumer starts).
+        self._next_offset: dict[int, int | None] = {self.slot: None}
+        self._left_at: dict[int, float] = {}  # earlier slots still read -> when the client moved off them
+        self._slots_used = {self.slot}  # every slot this client's requests named
+        self._progress = time.monotonic()  # last delivery, or last fetch that found the slots read to their end
+        self.rotate_records = settings.response_slot_rotate_records if settings.embedded_broker else 0
+        self._rotate_at = self.rotate_records  # the current slot's size at which to look for a move
+        self.rotations = 0  # slot moves (see the module doc)
         self.reader_restarts = 0
         self.migrations = 0  # requests resubmitted after their worker was lost
         self.deadlines = 0  # streams ended by their request's deadline
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """The responses slots this client reads: its current slot first, then
+        earlier ones whose streams have not all ended (see the module doc)."""
+        return (self.slot, *(s for s in self._next_offset if s != self.slot))
 
     @property
     def reply_to(self) -> ReplyTo:
@@ -214,20 +242,29 @@ class KvflowClient:
     async def start(self) -> None:
         """Connect; responses are read from the current end of the slot on."""
         await self._producer.start()
-        await self._start_consumer(None)
+        await self._start_consumer()
         self._reader = asyncio.create_task(self._supervise(), name="kvflow-client-reader")
 
-    async def _start_consumer(self, offset: int | None) -> None:
-        """Start ``self._consumer`` on the slot at ``offset`` (None: its end)."""
+    def _tp(self, slot: int) -> TopicPartition:
+        return TopicPartition(self.catalog.responses.name, slot)
+
+    async def _start_consumer(self) -> None:
+        """Start ``self._consumer`` on the slots read, each at its next offset (None: its end)."""
         await self._consumer.start()
-        self._consumer.assign([self._tp])
-        if offset is None:
-            await self._consumer.seek_to_end(self._tp)
-        else:
-            self._consumer.seek(self._tp, offset)
-        self._next_offset = await self._consumer.position(self._tp)
+        await self._assign()
         adapt_fetch_wait(self._consumer, self.settings, busy=self._pending.__len__)  # streams in flight: poll fast
         self._progress = time.monotonic()
+
+    async def _assign(self) -> None:
+        """Assign the consumer the slots of ``_next_offset`` and position each
+        at its next offset (None: its end, which is then recorded)."""
+        self._consumer.assign([self._tp(s) for s in self._next_offset])
+        for slot, offset in list(self._next_offset.items()):
+            if offset is None:
+                await self._consumer.seek_to_end(self._tp(slot))
+                self._next_offset[slot] = await self._consumer.position(self._tp(slot))
+            else:
+                self._consumer.seek(self._tp(slot), offset)
 
     async def stop(self) -> None:
         """Stop reading; pending streams end with :class:`RequestTimeout`."""
@@ -247,11 +284,13 @@ class KvflowClient:
                             restarts=self.reader_restarts)
 
     def _lag(self) -> int:
-        with contextlib.suppress(Exception):  # not assigned yet, or mid-restart
-            hw = self._consumer.highwater(self._tp)
-            if hw is not None and self._next_offset is not None:
-                return max(0, hw - self._next_offset)
-        return 0
+        lag = 0
+        for slot, offset in self._next_offset.items():
+            with contextlib.suppress(Exception):  # not assigned yet, or mid-restart
+                hw = self._consumer.highwater(self._tp(slot))
+                if hw is not None and offset is not None:
+                    lag += max(0, hw - offset)
+        return lag
 
     async def __aenter__(self) -> "KvflowClient":
         await self.start()
@@ -269,14 +308,14 @@ class KvflowClient:
                 while not reader.done():
                     await asyncio.wait({reader}, timeout=1.0)
                     if not reader.done() and self._lag() > 0 and time.monotonic() - self._progress > STALL_S:
-                        log.error("responses reader of slot %d stalled %d records behind at offset %s; restarting",
-                                  self.slot, self._lag(), self._next_offset)
+                        log.error("responses reader of slots %s stalled %d records behind at offsets %s; restarting",
+                                  list(self._next_offset), self._lag(), self._next_offset)
                         reader.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await reader
                 if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                    log.error("responses reader of slot %d failed: %r; restarting at offset %s",
-                              self.slot, reader.exception(), self._next_offset)
+                    log.error("responses reader of slots %s failed: %r; restarting at offsets %s",
+                              list(self._next_offset), reader.exception(), self._next_offset)
             finally:
                 if not reader.done():
                     reader.cancel()
@@ -288,18 +327,20 @@ class KvflowClient:
             await asyncio.sleep(0.2)
             self._consumer = make_consumer(self.settings)
             try:
-                await self._start_consumer(self._next_offset)
+                await self._start_consumer()
             except Exception:  # noqa: BLE001 - broker unreachable: try again
-                log.exception("cannot restart the responses reader of slot %d", self.slot)
+                log.exception("cannot restart the responses reader of slots %s", list(self._next_offset))
 
     async def _read_responses(self) -> None:
         while True:
-            batches = await self._consumer.getmany(self._tp, timeout_ms=1000)
+            batches = await self._consumer.getmany(timeout_ms=1000)
             if not batches and self._lag() == 0:
                 self._progress = time.monotonic()
-            for records in batches.values():
+            for tp, records in batches.items():
+                if tp.partition not in self._next_offset:
+                    continue  # a slot dropped while this fetch was out
                 for msg in records:
-                    self._next_offset = msg.offset + 1
+                    self._next_offset[tp.partition] = msg.offset + 1
                     self._progress = time.monotonic()
                     try:
                         event = decode(ResponseEvent, msg.value)
@@ -310,6 +351,66 @@ class KvflowClient:
                     queue = self._pending.get(key)
                     if queue is not None and event.request_id == key:
                         queue.put_nowait((msg.offset, event))
+            if self.rotate_records:
+                await self._rotate()
+
+    def _own(self, request_id: str, reply_to: ReplyTo) -> ReplyTo:
+        """Register ``request_id``'s stream on the slot it will be answered
+        on: ``reply_to`` while this client reads it, else the current slot
+        (for a request built before the client dropped that slot).
+
+        Raises:
+            ValueError: ``reply_to`` never named one of this client's slots.
+        """
+        if reply_to.topic != self.catalog.responses.name or reply_to.partition not in self._slots_used:
+            raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
+        if reply_to.partition not in self._next_offset:
+            reply_to = self.reply_to
+        self._pending_slot[request_id] = reply_to.partition
+        return reply_to
+
+    def _release(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Forget ``request_id``'s stream, unless a newer one reused the id."""
+        if self._pending.get(request_id) is queue:
+            del self._pending[request_id]
+            self._pending_slot.pop(request_id, None)
+
+    async def _rotate(self) -> None:
+        """Move to the least-filled other slot once the current one holds
+        ``rotate_records`` records (more than twice the records of that
+        slot); drop earlier slots whose streams ended.
+
+        An earlier slot is kept for ``SLOT_GRACE_S`` after the move at least,
+        so a request built for it just before the move still finds it read.
+        Where no slot is worth moving to, the next look (one ListOffsets
+        request) waits until the current slot gained ``rotate_records`` more.
+        """
+        now = time.monotonic()
+        busy = set(self._pending_slot.values())
+        for slot, left in list(self._left_at.items()):
+            if slot not in busy and now - left > SLOT_GRACE_S:
+                del self._left_at[slot], self._next_offset[slot]
+        hw = self._consumer.highwater(self._tp(self.slot))
+        if hw is None or hw < self._rotate_at:
+            if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
+                await self._assign()
+            return
+        others = [self._tp(s) for s in range(self.catalog.responses.partitions) if s not in self._next_offset]
+        ends = await self._consumer.end_offsets(others) if others else {}
+        self._rotate_at = hw + self.rotate_records
+        if ends:
+            least = min(ends.values())
+            if least * 2 <= hw:  # worth moving: at most half as full
+                old, new = self.slot, random.choice([tp.partition for tp, end in ends.items() if end == least])
+                self._left_at[old] = now
+                self.slot = new
+                self._slots_used.add(new)
+                self._next_offset[new] = ends[self._tp(new)]
+                self._rotate_at = least + self.rotate_records
+                self.rotations += 1
+                log.info("responses slot %d -> %d (%d records; %d in the new one)", old, new, hw, least)
+        if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
+            await self._assign()
 
     def new_request(
         self,
@@ -386,7 +487,7 @@ class KvflowClient:
 
         Raises (while iterating):
             RequestTimeout: nothing arrived for ``timeout_s``.
-            ValueError: ``request.reply_to`` is not this client's slot.
+            ValueError: ``request.reply_to`` never named one of this client's slots.
         """
         handle = ResponseStream(request.request_id, request.reply_to.partition)
         handle.attach(self._live(handle, self.with_deadline(request), key))
@@ -418,8 +519,10 @@ class KvflowClient:
 
     async def _live(self, handle: "ResponseStream", request: InferenceRequest,
                     key: str | None) -> AsyncIterator[TokenDelta | FinalResponse]:
-        if request.reply_to != self.reply_to:
-            raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
+        reply_to = self._own(request.request_id, request.reply_to)
+        if reply_to != request.reply_to:
+            request = request.model_copy(update={"reply_to": reply_to})
+            handle.partition = reply_to.partition
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request.request_id] = queue
         follower = Follower(request, self.settings.max_migrations)
@@ -446,8 +549,7 @@ class KvflowClient:
         finally:
             # The generator may be closed late (an abandoned ``async for``);
             # never drop a newer stream that reused the request id.
-            if self._pending.get(request.request_id) is queue:
-                del self._pending[request.request_id]
+            self._release(request.request_id, queue)
 
     async def _next_item(self, queue: asyncio.Queue, request: InferenceRequest) -> tuple[int, Any] | None:
         """The next ``(offset, record)`` of the request; None once its deadline passed.
@@ -526,7 +628,7 @@ class KvflowClient:
         Raises:
             RequestTimeout: no result by the request's ``deadline_ms``, or
                 within ``timeout_s`` when it has none.
-            ValueError: ``request.reply_to`` is not this client's slot.
+            ValueError: ``request.reply_to`` never named one of this client's slots.
             aiokafka.errors.KafkaError: the broker did not take the request.
         """
         return await self._call(self.catalog.queue(WorkerRole.embedding).name, partition, request, EmbeddingResult,
@@ -541,7 +643,7 @@ class KvflowClient:
         Raises:
             RequestTimeout: no result by the request's ``deadline_ms``, or
                 within ``timeout_s`` when it has none.
-            ValueError: ``request.reply_to`` is not this client's slot.
+            ValueError: ``request.reply_to`` never named one of this client's slots.
             aiokafka.errors.KafkaError: the broker did not take the request.
         """
         return await self._call(self.catalog.queue(WorkerRole.conditioning).name, partition, request, ImageResult,
@@ -551,8 +653,9 @@ class KvflowClient:
                     result_type: type, what: str) -> Any:
         """Send ``request`` to ``topic[partition]`` and return the first
         ``result_type`` record answering it on this client's slot."""
-        if request.reply_to != self.reply_to:
-            raise ValueError("request.reply_to must be this client's reply_to")
+        reply_to = self._own(request.request_id, request.reply_to)
+        if reply_to != request.reply_to:
+            request = request.model_copy(update={"reply_to": reply_to})
         wait_s = self.timeout_s
         if request.deadline_ms is not None:
             wait_s = min(wait_s, max(0.0, (request.deadline_ms - now_ms()) / 1000))
@@ -573,8 +676,7 @@ class KvflowClient:
                 if isinstance(event, result_type):
                     return event
         finally:
-            if self._pending.get(request.request_id) is queue:
-                del self._pending[request.request_id]
+            self._release(request.request_id, queue)
 
     async def complete(self, request: InferenceRequest) -> FinalResponse:
         """Send ``request`` and return its final response (deltas are skipped)."""
