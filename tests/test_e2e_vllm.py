@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 from deployment import running_deployment
-from vllm_support import TEST_KV_CACHE_GB, require_vllm
+from vllm_support import WORKER_KV_CACHE_GB, require_vllm
 
 from kvflow.supervisor import WorkerSpec
 
@@ -36,7 +36,7 @@ async def vllm_deployment(broker):
     settings = Settings(bootstrap_servers=broker.bootstrap_servers, embedded_broker=True,
                         namespace=f"vllm{uuid.uuid4().hex[:8]}", session_timeout_ms=2000, routing_policy="kv")
     await create_topics(settings, Catalog(settings.namespace))
-    spec = WorkerSpec(engine="vllm", model=MODEL, extra_args=[f"--kv-cache-gb={TEST_KV_CACHE_GB}", "--eager"])
+    spec = WorkerSpec(engine="vllm", model=MODEL, extra_args=[f"--kv-cache-gb={WORKER_KV_CACHE_GB}", "--eager"])
     async with running_deployment(settings, spec, workers=2, ready_timeout_s=300) as sup:
         yield sup
 

@@ -16,6 +16,10 @@ import pytest
 TEST_KV_CACHE_GB = 0.25
 """KV cache per test engine, GiB: ~5,800 tokens of SmolLM2 in float32."""
 
+WORKER_KV_CACHE_GB = 0.5
+"""KV cache per test worker process, GiB: such a worker serves SmolLM2's whole
+8,192-token context, which takes 0.35 GiB in float32 (the CPU default dtype)."""
+
 TEST_MAX_MODEL_LEN = 2048
 """Longest sequence of a test engine (it must fit the KV cache at least once)."""
 

@@ -38,18 +38,17 @@ Platform defaults (:func:`vllm_engine_args`; :class:`VllmOptions` overrides):
   ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, on CPU). Unset: 1 GiB on CPU (vLLM's
   CPU default would reserve ``gpu_memory_utilization`` = 92% of host memory
   and fails on a shared machine), vLLM's ``gpu_memory_utilization`` on GPU;
-* **dtype**: ``"auto"`` (vLLM's choice: bfloat16 for SmolLM2's float32
-  checkpoint on CPU and GPU). On a 2-core AMD EPYC (AVX2, no AVX-512) vLLM
-  alone made 186-200 output tok/s in bfloat16 and 130 in float32
-  (``bench/engine_overhead.py``, docs/benchmarks.md); float16 was about 6x
-  slower than bfloat16 there;
+* **dtype**: ``"auto"`` is vLLM's choice (bfloat16 for SmolLM2's float32
+  checkpoint) on GPU and float32 on CPU. vllm-cpu 0.32 in bfloat16 answered
+  "What is the capital of France?" with "L'Étoile, la Marseillaise, la femme,
+  ..." compiled on a 2-core AMD EPYC (AVX2), and eager as well on an Intel
+  Xeon with AVX-512 BF16 and AMX; float32 answers "Paris" on both. bfloat16
+  was the faster on the AMD machine (vLLM alone: 186-200 output tok/s against
+  130 in float32, ``bench/engine_overhead.py``, docs/benchmarks.md), so it
+  stays one ``--dtype bfloat16`` away; an explicit ``dtype`` is kept;
 * **compilation**: eager (``enforce_eager=True``) on CPU, where compiled
   start-up took ~80 s (100-250 s under load) against ~20-30 s eager on that
-  machine; vLLM's default (compiled, CUDA graphs) elsewhere. Compiled on CPU
-  with dtype ``"auto"`` runs float32: vllm-cpu 0.32 compiled in bfloat16
-  answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
-  la femme, ..." on that machine (eager bfloat16 and compiled float32 answer
-  "Paris"); an explicit ``dtype`` is kept.
+  machine; vLLM's default (compiled, CUDA graphs) elsewhere.
 
 KV events: vLLM runs with ``enable_prefix_caching=True`` and a ZeroMQ KV
 event publisher on a private ``ipc://`` endpoint; a
@@ -209,7 +208,7 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
     Returns:
         ``(args, env)``: ``args`` has ``block_size`` (see
         :func:`platform_block_size`), ``dtype`` (``options.dtype``, but
-        float32 for ``"auto"`` when compiled on CPU), ``enforce_eager``,
+        float32 for ``"auto"`` on CPU), ``enforce_eager``,
         ``enable_prefix_caching``, ``max_num_seqs``,
         ``max_num_batched_tokens``, the KV cache size when one applies,
         ``speculative_config`` when given and ``enable_lora``/``max_loras``/
@@ -225,8 +224,8 @@ def vllm_engine_args(config: EngineConfig, options: VllmOptions, *, device_type:
     cpu = device_type == "cpu"
     kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if cpu else None)
     compiled = options.compiled if options.compiled is not None else not cpu
-    # Compiled bfloat16 (what "auto" picks) gave wrong tokens on CPU; see the module docstring.
-    dtype = "float32" if cpu and compiled and options.dtype == "auto" else options.dtype
+    # bfloat16 (what "auto" picks) gave wrong tokens on CPU; see the module docstring.
+    dtype = "float32" if cpu and options.dtype == "auto" else options.dtype
     args: dict[str, Any] = {
         "block_size": platform_block_size(config.block_size, device_type),
         "dtype": dtype,
