@@ -108,3 +108,16 @@ async def test_a_real_kafka_setting_never_moves_the_slot(kafka):
     assert client_module.KvflowClient(real, catalog).rotate_records == 0
     assert client_module.KvflowClient(settings.model_copy(update={"response_slot_rotate_records": ROTATE}),
                                       catalog).rotate_records == ROTATE
+
+
+async def test_a_restarted_reader_goes_on_from_every_slot_it_reads(cluster, waiter):
+    _, _, client = cluster
+    streams = [asyncio.create_task(collect(client, 400, f"tale {i}")) for i in range(4)]
+    await waiter(lambda: len(client.slots) >= 2 or all(s.done() for s in streams), timeout_s=60)
+    assert len(client.slots) >= 2, "the streams ended before the client moved"
+    # The reader's consumer fails under it: the supervisor starts a new one at the first
+    # record not yet delivered on each slot it reads.
+    await client._consumer.stop()
+    for deltas, final, _ in await asyncio.gather(*streams):
+        check_whole(deltas, final, 400)
+    assert client.reader_restarts >= 1
