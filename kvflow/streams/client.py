@@ -376,14 +376,12 @@ class KvflowClient:
             self._pending_slot.pop(request_id, None)
 
     async def _rotate(self) -> None:
-        """Move to the least-filled other slot once the current one holds
-        ``rotate_records`` records (more than twice the records of that
-        slot); drop earlier slots whose streams ended.
+        """Drop earlier slots whose streams ended, move to the least-filled
+        other slot when the current one is full (:meth:`_move`), and keep the
+        consumer's assignment to the slots read.
 
         An earlier slot is kept for ``SLOT_GRACE_S`` after the move at least,
         so a request built for it just before the move still finds it read.
-        Where no slot is worth moving to, the next look (one ListOffsets
-        request) waits until the current slot gained ``rotate_records`` more.
         """
         now = time.monotonic()
         busy = set(self._pending_slot.values())
@@ -391,26 +389,30 @@ class KvflowClient:
             if slot not in busy and now - left > SLOT_GRACE_S:
                 del self._left_at[slot], self._next_offset[slot]
         hw = self._consumer.highwater(self._tp(self.slot))
-        if hw is None or hw < self._rotate_at:
-            if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
-                await self._assign()
-            return
+        if hw is not None and hw >= self._rotate_at:
+            await self._move(hw, now)
+        if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
+            await self._assign()
+
+    async def _move(self, hw: int, now: float) -> None:
+        """Make the least-filled slot not read the current one, if it holds at
+        most half the current slot's ``hw`` records. Where none does, the next
+        look (one ListOffsets request) waits until the current slot gained
+        ``rotate_records`` more."""
         others = [self._tp(s) for s in range(self.catalog.responses.partitions) if s not in self._next_offset]
         ends = await self._consumer.end_offsets(others) if others else {}
         self._rotate_at = hw + self.rotate_records
-        if ends:
-            least = min(ends.values())
-            if least * 2 <= hw:  # worth moving: at most half as full
-                old, new = self.slot, random.choice([tp.partition for tp, end in ends.items() if end == least])
-                self._left_at[old] = now
-                self.slot = new
-                self._slots_used.add(new)
-                self._next_offset[new] = ends[self._tp(new)]
-                self._rotate_at = least + self.rotate_records
-                self.rotations += 1
-                log.info("responses slot %d -> %d (%d records; %d in the new one)", old, new, hw, least)
-        if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
-            await self._assign()
+        least = min(ends.values(), default=hw)
+        if least * 2 > hw:
+            return
+        old, new = self.slot, random.choice([tp.partition for tp, end in ends.items() if end == least])
+        self._left_at[old] = now
+        self.slot = new
+        self._slots_used.add(new)
+        self._next_offset[new] = ends[self._tp(new)]
+        self._rotate_at = least + self.rotate_records
+        self.rotations += 1
+        log.info("responses slot %d -> %d (%d records; %d in the new one)", old, new, hw, least)
 
     def new_request(
         self,
