@@ -213,8 +213,7 @@ class KvflowClient:
         self._producer = make_producer(settings)
         self._consumer = make_consumer(settings)
         self._dlq = DeadLetterWriter(self._producer, self.catalog, consumer=f"{name}:{self.slot}")
-        self._pending: dict[str, asyncio.Queue] = {}
-        self._pending_slot: dict[str, int] = {}  # request id -> the slot its records arrive on
+        self._pending: dict[str, tuple[asyncio.Queue, int]] = {}  # request id -> (its records, the slot they arrive on)
         self._reader: asyncio.Task | None = None
         # Slots read -> first record not yet delivered (None: the end, once the consumer starts).
         self._next_offset: dict[int, int | None] = {self.slot: None}
@@ -348,63 +347,64 @@ class KvflowClient:
                         await self._dlq.send(msg, exc)
                         continue
                     key = msg.key.decode("utf-8", "replace") if msg.key else ""
-                    queue = self._pending.get(key)
-                    if queue is not None and event.request_id == key:
-                        queue.put_nowait((msg.offset, event))
-            if self.rotate_records:
-                await self._rotate()
+                    stream = self._pending.get(key)
+                    if stream is not None and event.request_id == key:
+                        stream[0].put_nowait((msg.offset, event))
+            if self.rotate_records and await self._rotate():
+                await self._assign()
 
-    def _own(self, request_id: str, reply_to: ReplyTo) -> ReplyTo:
-        """Register ``request_id``'s stream on the slot it will be answered
-        on: ``reply_to`` while this client reads it, else the current slot
-        (for a request built before the client dropped that slot).
+    def _own(self, request: Any) -> tuple[Any, asyncio.Queue]:
+        """Register ``request``'s stream (an inference, embedding or image
+        request) on the slot it will be answered on; returns the request to
+        send and the queue its records arrive in. A request naming an earlier
+        slot this client no longer reads is re-addressed to the current one
+        (it was built before the client dropped that slot).
 
         Raises:
-            ValueError: ``reply_to`` never named one of this client's slots.
+            ValueError: ``request.reply_to`` never named one of this client's slots.
         """
+        reply_to = request.reply_to
         if reply_to.topic != self.catalog.responses.name or reply_to.partition not in self._slots_used:
             raise ValueError("request.reply_to must be this client's reply_to (use new_request)")
         if reply_to.partition not in self._next_offset:
-            reply_to = self.reply_to
-        self._pending_slot[request_id] = reply_to.partition
-        return reply_to
+            request = request.model_copy(update={"reply_to": self.reply_to})
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[request.request_id] = (queue, request.reply_to.partition)
+        return request, queue
 
     def _release(self, request_id: str, queue: asyncio.Queue) -> None:
         """Forget ``request_id``'s stream, unless a newer one reused the id."""
-        if self._pending.get(request_id) is queue:
+        if self._pending.get(request_id, (None,))[0] is queue:
             del self._pending[request_id]
-            self._pending_slot.pop(request_id, None)
 
-    async def _rotate(self) -> None:
-        """Drop earlier slots whose streams ended, move to the least-filled
-        other slot when the current one is full (:meth:`_move`), and keep the
-        consumer's assignment to the slots read.
+    async def _rotate(self) -> bool:
+        """Drop earlier slots whose streams ended and, when the current one
+        is full, move to the least-filled other slot (:meth:`_move`);
+        returns whether the slots read changed (the caller reassigns).
 
         An earlier slot is kept for ``SLOT_GRACE_S`` after the move at least,
         so a request built for it just before the move still finds it read.
         """
         now = time.monotonic()
-        busy = set(self._pending_slot.values())
-        for slot, left in list(self._left_at.items()):
-            if slot not in busy and now - left > SLOT_GRACE_S:
-                del self._left_at[slot], self._next_offset[slot]
+        busy = {slot for _, slot in self._pending.values()}
+        dropped = [slot for slot, left in self._left_at.items() if slot not in busy and now - left > SLOT_GRACE_S]
+        for slot in dropped:
+            del self._left_at[slot], self._next_offset[slot]
         hw = self._consumer.highwater(self._tp(self.slot))
-        if hw is not None and hw >= self._rotate_at:
-            await self._move(hw, now)
-        if set(self._consumer.assignment()) != {self._tp(s) for s in self._next_offset}:
-            await self._assign()
+        moved = hw is not None and hw >= self._rotate_at and await self._move(hw, now)
+        return bool(dropped) or moved
 
-    async def _move(self, hw: int, now: float) -> None:
-        """Make the least-filled slot not read the current one, if it holds at
-        most half the current slot's ``hw`` records. Where none does, the next
-        look (one ListOffsets request) waits until the current slot gained
-        ``rotate_records`` more."""
+    async def _move(self, hw: int, now: float) -> bool:
+        """Make the least-filled slot this client does not read its current one, if it holds at
+        most half the current slot's ``hw`` records; returns whether it did.
+        Where none does, the next look (one ListOffsets request) waits until
+        the current slot gained ``rotate_records`` more."""
         others = [self._tp(s) for s in range(self.catalog.responses.partitions) if s not in self._next_offset]
         ends = await self._consumer.end_offsets(others) if others else {}
         self._rotate_at = hw + self.rotate_records
         least = min(ends.values(), default=hw)
         if least * 2 > hw:
-            return
+            return False
         old, new = self.slot, random.choice([tp.partition for tp, end in ends.items() if end == least])
         self._left_at[old] = now
         self.slot = new
@@ -413,6 +413,7 @@ class KvflowClient:
         self._rotate_at = least + self.rotate_records
         self.rotations += 1
         log.info("responses slot %d -> %d (%d records; %d in the new one)", old, new, hw, least)
+        return True
 
     def new_request(
         self,
@@ -521,12 +522,8 @@ class KvflowClient:
 
     async def _live(self, handle: "ResponseStream", request: InferenceRequest,
                     key: str | None) -> AsyncIterator[TokenDelta | FinalResponse]:
-        reply_to = self._own(request.request_id, request.reply_to)
-        if reply_to != request.reply_to:
-            request = request.model_copy(update={"reply_to": reply_to})
-            handle.partition = reply_to.partition
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[request.request_id] = queue
+        request, queue = self._own(request)
+        handle.partition = request.reply_to.partition
         follower = Follower(request, self.settings.max_migrations)
         try:
             await self.submit(request, key=key)
@@ -655,14 +652,10 @@ class KvflowClient:
                     result_type: type, what: str) -> Any:
         """Send ``request`` to ``topic[partition]`` and return the first
         ``result_type`` record answering it on this client's slot."""
-        reply_to = self._own(request.request_id, request.reply_to)
-        if reply_to != request.reply_to:
-            request = request.model_copy(update={"reply_to": reply_to})
         wait_s = self.timeout_s
         if request.deadline_ms is not None:
             wait_s = min(wait_s, max(0.0, (request.deadline_ms - now_ms()) / 1000))
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[request.request_id] = queue
+        request, queue = self._own(request)
         try:
             wake(self._consumer)
             await self._producer.send_and_wait(topic, encode(request), key=request.request_id.encode(),
