@@ -165,11 +165,11 @@ class DeadLetterReader:
 
 
 def router_assigned(router, catalog) -> bool:
-    """The router's consumer group holds every partition of the topics its agents read."""
+    """The router's consumer groups (its agents' and its validators') hold every partition of the topics they read."""
     specs = (catalog.requests, catalog.workers, catalog.kv_events, catalog.cancels, catalog.kv_dump_requests,
              catalog.inflight, catalog.control)
     wanted = {(s.name, p) for s in specs for p in range(s.partitions)}
-    return wanted <= {(tp.topic, tp.partition) for tp in router.app.consumer.assignment()}
+    return wanted <= router.assigned()
 
 
 async def complete_via_client(client, prompt: str) -> FinalResponse:

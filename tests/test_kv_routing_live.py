@@ -210,6 +210,57 @@ async def test_binary_kv_events_fold_and_malformed_ones_are_dead_lettered_once(k
         await producer.stop()
 
 
+async def test_replicas_of_one_router_dead_letter_a_folded_record_once(kafka, waiter):
+    """Both replicas fold the workers, kv-events and inflight topics whole, yet a
+    malformed record there is dead-lettered by one of them: their validators
+    share a consumer group, which splits the partitions between them."""
+    settings, catalog = kafka
+    folded = (catalog.workers, catalog.kv_events, catalog.inflight)
+    wanted = {(s.name, p) for s in folded for p in range(s.partitions)}
+    routers = [build_router_app(settings, catalog, policy="kv", app_id=f"{settings.namespace}-shared", router_id=name)
+               for name in ("dl-a", "dl-b")]
+    producer = make_producer(settings)
+    await producer.start()
+    for router in routers:
+        await router.app.start()
+
+    def held(router) -> set:
+        return {(tp.topic, tp.partition) for c in router.validators for tp in c.assignment()}
+
+    try:
+        # the group has settled on two members, each holding a share
+        await waiter(lambda: all(held(r) for r in routers) and held(routers[0]) | held(routers[1]) == wanted
+                     and not held(routers[0]) & held(routers[1]), timeout_s=90)
+        bad = {}
+        for topic, partition in sorted(wanted):
+            meta = await producer.send_and_wait(topic, b"\xff not a record", key=b"bad", partition=partition)
+            bad[(topic, partition, meta.offset)] = next(r.router_id for r in routers if (topic, partition) in held(r))
+        await waiter(lambda: sum(r.counters["dead_lettered"] for r in routers) >= len(bad), timeout_s=60)
+
+        async def read_past_bad() -> bool:  # every validator has consumed past the bad records
+            for router in routers:
+                for consumer in router.validators:
+                    for tp in consumer.assignment():
+                        top = max(o for (t, p, o) in bad if (t, p) == (tp.topic, tp.partition))
+                        if await consumer.position(tp) <= top:
+                            return False
+            return True
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await read_past_bad():
+            assert asyncio.get_running_loop().time() < deadline, "a validator never read past the bad records"
+            await asyncio.sleep(0.1)
+        assert sum(r.counters["dead_lettered"] for r in routers) == len(bad)  # once each, not once per replica
+        letters = [decode(DeadLetter, m.value)
+                   for m in await read_all(settings, catalog.dead_letter.name, catalog.dead_letter.partitions)]
+        assert {(d.source_topic, d.partition, d.offset): d.consumer for d in letters} == bad
+        assert len(letters) == len(bad)
+    finally:
+        for router in routers:
+            await router.app.stop()
+        await producer.stop()
+
+
 async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
     settings, catalog = kafka
     settings = settings.model_copy(update={"routing_policy": "kv"})

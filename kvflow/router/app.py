@@ -46,24 +46,23 @@ Faust agents (consumer group, so each record is handled once per group):
   waiting for the broker's ack, as a :class:`~kvflow.schemas.DecisionRecord`
   on the routing-decisions topic, with the candidates the policy weighed
   and its cost terms (``kvflow explain REQUEST_ID`` reads it).
-- ``track_workers`` dead-letters malformed heartbeats (every replica folds
-  the workers topic itself, from its beginning; no changelogged table is
-  kept, since nothing read it and each heartbeat cost a changelog write).
-- ``check_kv_events`` dead-letters malformed KV event batches (binary or
-  legacy JSON), with the same :func:`~kvflow.schemas.decode_kv_frame` the
-  index projection uses, so the two agree on what is malformed; neither
-  builds a pydantic object per event of a binary record.
+- ``check_folded_topics`` (a task, not an agent) dead-letters malformed
+  heartbeats, KV event batches (binary or legacy JSON, checked with the same
+  :func:`~kvflow.schemas.decode_kv_frame` the index projection uses, so the
+  two agree on what is malformed) and inflight records: every replica folds
+  these topics whole, and this reader's own consumer group
+  (:mod:`kvflow.router.validation`) picks the one replica that writes the
+  letter. It reads a batch a second, so a Faust agent on these busy topics
+  no longer keeps the requests consumer fetching.
 - ``check_cancels`` dead-letters malformed cancel records. Every worker
   reads the whole cancels topic and skips them, so each bad record is
   dead-lettered once, not once per worker.
-- ``check_inflight`` dead-letters malformed inflight records (the
-  projection of every replica skips them).
 - ``check_kv_dump_requests`` dead-letters malformed KV dump requests, which
   every worker also reads whole and skips.
 - ``check_control`` dead-letters malformed control records (engine admin
   commands and answers), which every worker reads whole and skips.
 
-The whole-topic projections skip the records these agents dead-letter, so
+The whole-topic projections skip the records these readers dead-letter, so
 each malformed record reaches the dead-letter topic once per deployment,
 however many router replicas and workers read it. No agent dies of one.
 
@@ -85,6 +84,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import faust
 from opentelemetry import context as otel_context
@@ -100,6 +100,7 @@ from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.prometheus import RouterExporter
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
+from kvflow.router.validation import validate_paced
 from kvflow.schemas import (
     CancelRequest,
     ControlRecord,
@@ -113,7 +114,6 @@ from kvflow.schemas import (
     InferenceRequest,
     InflightRecord,
     KvDumpRequest,
-    KvEventBatch,
     RecordError,
     ReplyTo,
     RequestFinished,
@@ -172,6 +172,16 @@ class RouterApp:
     (answered ``worker_lost`` if the worker expires first)."""
     prom: RouterExporter | None = None
     """The router's Prometheus series (:mod:`kvflow.router.prometheus`)."""
+    validators: list = field(default_factory=list)
+    """The started consumer of :func:`~kvflow.router.validation.validate_paced` (empty until it starts)."""
+
+    def assigned(self) -> set[tuple[str, int]]:
+        """``(topic, partition)`` pairs this replica's consumer groups hold now:
+        its Faust agents' and its validators' (empty before either joins)."""
+        tps = set(self.app.consumer.assignment())
+        for consumer in self.validators:
+            tps |= consumer.assignment()
+        return {(tp.topic, tp.partition) for tp in tps}
 
     @property
     def table(self) -> RoutingTable:
@@ -244,18 +254,18 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     requests_topic = app.topic(catalog.requests.name, partitions=catalog.requests.partitions, **raw)
-    workers_topic = app.topic(catalog.workers.name, partitions=catalog.workers.partitions, **raw)
-    kv_events_topic = app.topic(catalog.kv_events.name, partitions=catalog.kv_events.partitions, **raw)
     cancels_topic = app.topic(catalog.cancels.name, partitions=catalog.cancels.partitions, **raw)
-    inflight_topic = app.topic(catalog.inflight.name, partitions=catalog.inflight.partitions, **raw)
     dumps_topic = app.topic(catalog.kv_dump_requests.name, partitions=catalog.kv_dump_requests.partitions, **raw)
     control_topic = app.topic(catalog.control.name, partitions=catalog.control.partitions, **raw)
     counters = core.counters
     held_traces: OrderedDict[str, otel_context.Context] = OrderedDict()  # trace context of each queued request
 
     async def dead_letter(event: faust.EventT, error: str) -> None:
+        await dead_letter_message(event.message, error)
+
+    async def dead_letter_message(msg: Any, error: str) -> None:
+        # ``msg``: a Faust message or an aiokafka record (topic, partition, offset, key, value)
         counters["dead_lettered"] += 1
-        msg = event.message
         record = DeadLetter.of(source_topic=msg.topic, partition=msg.partition, offset=msg.offset, key=msg.key,
                                value=msg.value, error=error, consumer=router_id)
         log.warning("dead-lettering %s@%d: %s", msg.topic, msg.offset, error[:200])
@@ -275,12 +285,20 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
                     await dead_letter(event, str(exc))
         return check
 
-    app.agent(workers_topic, name="track_workers")(validator(WorkerHeartbeat))
-    app.agent(kv_events_topic, name="check_kv_events")(validator(KvEventBatch, decode_kv_frame))
     app.agent(cancels_topic, name="check_cancels")(validator(CancelRequest))
-    app.agent(inflight_topic, name="check_inflight")(validator(InflightRecord))
     app.agent(dumps_topic, name="check_kv_dump_requests")(validator(KvDumpRequest))
     app.agent(control_topic, name="check_control")(validator(ControlRecord))
+
+    @app.task
+    async def check_folded_topics() -> None:
+        # The topics every replica folds whole, checked once per deployment in a group of their own.
+        checks: dict[str, Callable[[bytes], object]] = {
+            catalog.workers.name: functools.partial(decode, WorkerHeartbeat),
+            catalog.kv_events.name: decode_kv_frame,
+            catalog.inflight.name: functools.partial(decode, InflightRecord),
+        }
+        await validate_paced(settings, f"{app.conf.id}-validators", checks, dead_letter_message,
+                             consumers=state.validators)
 
     # ---- the log, folded into the core (every replica reads every record) ----
 
@@ -288,14 +306,14 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         try:
             hb = decode(WorkerHeartbeat, msg.value)
         except RecordError:
-            return  # dead-lettered once by track_workers
+            return  # dead-lettered once by check_folded_topics
         core.on_heartbeat(hb)
 
     async def on_kv_record(msg) -> None:
         try:
             batch = decode_kv_frame(msg.value)  # hashes stay in the record's bytes; the index reads them there
         except RecordError:
-            return  # dead-lettered once by check_kv_events
+            return  # dead-lettered once by check_folded_topics
         try:
             dump = core.on_kv_batch(batch)
         except BlockSizeMismatch as exc:
@@ -310,7 +328,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         try:
             record = decode(InflightRecord, msg.value)
         except RecordError:
-            return  # dead-lettered once by check_inflight
+            return  # dead-lettered once by check_folded_topics
         if isinstance(record, RequestFinished):
             core.on_request_finished(record)
             state.orphans.finished(record.request_id, record.worker_id)

@@ -1,0 +1,91 @@
+"""Once-only dead-lettering of the topics every router replica folds whole.
+
+Each router replica reads all of the workers, kv-events and inflight topics
+itself (:mod:`kvflow.router.projections`), so a malformed record there is
+seen by every replica, and each projection skips it. Which replica writes
+it to the dead-letter topic is decided by a consumer group shared by all the
+replicas of one router app: :func:`validate_paced` reads those topics in that
+group and dead-letters what fails to decode, once per deployment.
+
+Why not a Faust agent: the router's Faust consumer also reads the requests
+topic, and on the embedded broker a fetch returns at once whenever any of its
+partitions has a record. KV events, finish records and heartbeats arrive
+many times a second under load, so agents on those topics kept the Faust
+consumer fetching (and decoding every record a second time) about as often
+as the projections did. This reader instead takes what arrived, then waits
+:data:`VALIDATE_PACE_S` before the next batch: one fetch a second under load,
+and a long parked poll when idle (docs/benchmarks.md, "Live path").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiokafka import ConsumerRecord
+
+from kvflow.schemas import RecordError
+from kvflow.settings import Settings
+from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer
+
+__all__ = ["VALIDATE_PACE_S", "validate_paced"]
+
+log = logging.getLogger(__name__)
+
+VALIDATE_PACE_S = 1.0
+"""Seconds between two batches of :func:`validate_paced` (kvflow's choice): a
+malformed record reaches the dead-letter topic at most about this late, and
+the reader costs the broker about one fetch per this many seconds under load
+instead of one per record arrival."""
+
+Check = Callable[[bytes], object]
+DeadLetter = Callable[[ConsumerRecord, str], Awaitable[None]]
+
+
+async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Check], dead_letter: DeadLetter, *,
+                         consumers: list | None = None, pace_s: float = VALIDATE_PACE_S) -> None:
+    """Decode every record of the topics in ``checks`` (topic name → decoder
+    raising :class:`~kvflow.schemas.RecordError`) as a member of consumer
+    group ``group_id``, and pass each one that fails to ``dead_letter(record,
+    reason)``, forever.
+
+    The group starts at the earliest offset when it has no committed one, so
+    a record written before any replica joined is still checked; offsets are
+    auto-committed (at least once: a replica that dies between a dead letter
+    and the next commit may leave the record to be dead-lettered again).
+    Batches are at most ``pace_s`` seconds apart. The started consumer is
+    appended to ``consumers`` (for its :meth:`assignment`). Errors of
+    ``dead_letter`` are logged and skipped. Runs until cancelled.
+
+    Raises:
+        ValueError: ``checks`` is empty or ``pace_s`` is negative.
+    """
+    if not checks:
+        raise ValueError("nothing to validate")
+    if pace_s < 0:
+        raise ValueError(f"pace_s must be >= 0, got {pace_s}")
+    consumer = make_consumer(settings, *checks, group_id=group_id, auto_offset_reset="earliest")
+    await consumer.start()
+    if consumers is not None:
+        consumers.append(consumer)
+    adapt_fetch_wait(consumer, settings, NOT_HOT)  # nothing here is urgent: park between records
+    try:
+        while True:
+            batches = await consumer.getmany(timeout_ms=FOLLOW_POLL_MS, max_records=10_000)
+            for tp, msgs in batches.items():
+                check = checks[tp.topic]
+                for msg in msgs:
+                    try:
+                        check(msg.value)
+                    except RecordError as exc:
+                        try:
+                            await dead_letter(msg, str(exc))
+                        except Exception:  # noqa: BLE001 - the reader must outlive any one record
+                            log.exception("could not dead-letter %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+            if batches:
+                await asyncio.sleep(pace_s)  # let the next records gather: one fetch for all of them
+    finally:
+        if consumers is not None and consumer in consumers:
+            consumers.remove(consumer)
+        await consumer.stop()
