@@ -15,7 +15,7 @@ from pydantic import SecretStr
 from kvflow.settings import Settings, settings_env
 
 CHANGED = {
-    "heartbeat_interval_ms": 250, "worker_ttl_ms": 60_000, "stream_flush_ms": 80, "stream_flush_tokens": 4,
+    "heartbeat_interval_ms": 250, "worker_ttl_ms": 60_000, "stream_flush_ms": 120, "stream_flush_tokens": 4,
     "embedded_broker": True, "bootstrap_servers": "127.0.0.1:1", "shed_mode": "queue",
     "router_session_margin": None, "shed_cold_start_hold_s": 12.5, "api_keys": ("k1", "k2"),
     "kafka_sasl_plain_password": SecretStr("s3cret"), "vllm_speculative_config": {"method": "ngram", "n": 3},
@@ -38,7 +38,7 @@ def test_a_child_process_gets_the_settings_set_in_code():
     env = settings_env(parent, base)
     want = parent.model_dump(mode="json")
     want["kafka_sasl_plain_password"] = "s3cret"
-    # The parent's 80 ms wins over the environment's 5; a variable of a field the parent
+    # The parent's 120 ms wins over the environment's 5; a variable of a field the parent
     # left at its default (set after its settings were built) passes through.
     want["mocker_spec_num_draft_tokens"] = 4
     assert child_settings(env) == want
@@ -53,7 +53,7 @@ def test_worker_processes_get_the_deployments_settings_but_not_its_api_keys(monk
     from kvflow.supervisor import Supervisor, WorkerSpec
 
     monkeypatch.setenv("KVFLOW_API_KEYS", "from-env")
-    settings = Settings().model_copy(update={"api_keys": ("k1",), "stream_flush_ms": 80, "worker_ttl_ms": 60_000})
+    settings = Settings().model_copy(update={"api_keys": ("k1",), "stream_flush_ms": 120, "worker_ttl_ms": 60_000})
     env = Supervisor(settings, WorkerSpec(engine="mocker", model="m"), bridge=False)._worker_env()
     assert "KVFLOW_API_KEYS" not in env
-    assert (env["KVFLOW_STREAM_FLUSH_MS"], env["KVFLOW_WORKER_TTL_MS"]) == ("80", "60000")
+    assert (env["KVFLOW_STREAM_FLUSH_MS"], env["KVFLOW_WORKER_TTL_MS"]) == ("120", "60000")
