@@ -13,7 +13,7 @@ partitions has a record. KV events, finish records and heartbeats arrive
 many times a second under load, so agents on those topics kept the Faust
 consumer fetching (and decoding every record a second time) about as often
 as the projections did. This reader instead takes what arrived, then waits
-:data:`VALIDATE_PACE_S` before the next batch: one fetch a second under load,
+:data:`VALIDATE_PACE_S`, its partitions paused, before the next batch: one fetch a second under load,
 and a long parked poll when idle (docs/benchmarks.md, "Live path").
 """
 
@@ -84,7 +84,14 @@ async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Ch
                         except Exception:  # noqa: BLE001 - the reader must outlive any one record
                             log.exception("could not dead-letter %s[%d]@%d", msg.topic, msg.partition, msg.offset)
             if batches:
-                await asyncio.sleep(pace_s)  # let the next records gather: one fetch for all of them
+                # Let the next records gather, unfetched: aiokafka's fetcher keeps fetching every partition
+                # with nothing buffered, so only pausing them all makes it one fetch per pace.
+                held = consumer.assignment()
+                consumer.pause(*held)
+                try:
+                    await asyncio.sleep(pace_s)
+                finally:
+                    consumer.resume(*(held & consumer.assignment()))
     finally:
         if consumers is not None and consumer in consumers:
             consumers.remove(consumer)
