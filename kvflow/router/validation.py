@@ -13,8 +13,9 @@ partitions has a record. KV events, finish records and heartbeats arrive
 many times a second under load, so agents on those topics kept the Faust
 consumer fetching (and decoding every record a second time) about as often
 as the projections did. This reader instead takes what arrived, then waits
-:data:`VALIDATE_PACE_S`, its partitions paused, before the next batch: one fetch a second under load,
-and a long parked poll when idle (docs/benchmarks.md, "Live path").
+:data:`VALIDATE_PACE_S`, its partitions paused, before the next batch: about
+one fetch a second under load, and a long parked poll when idle
+(docs/benchmarks.md, "Fewer produce requests and fetches").
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ the reader costs the broker about one fetch per this many seconds under load
 instead of one per record arrival."""
 
 Check = Callable[[bytes], object]
-DeadLetter = Callable[[ConsumerRecord, str], Awaitable[None]]
+WriteLetter = Callable[[ConsumerRecord, str], Awaitable[None]]
 
 
-async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Check], dead_letter: DeadLetter, *,
+async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Check], dead_letter: WriteLetter, *,
                          consumers: list | None = None, pace_s: float = VALIDATE_PACE_S) -> None:
     """Decode every record of the topics in ``checks`` (topic name → decoder
     raising :class:`~kvflow.schemas.RecordError`) as a member of consumer
@@ -54,7 +55,8 @@ async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Ch
     a record written before any replica joined is still checked; offsets are
     auto-committed (at least once: a replica that dies between a dead letter
     and the next commit may leave the record to be dead-lettered again).
-    Batches are at most ``pace_s`` seconds apart. The started consumer is
+    Consecutive batches are at least ``pace_s`` seconds apart (the
+    partitions stay paused in between). The started consumer is
     appended to ``consumers`` (for its :meth:`assignment`). Errors of
     ``dead_letter`` are logged and skipped. Runs until cancelled.
 
