@@ -74,12 +74,14 @@ async def test_one_scrape_point_shows_every_process_moving(deployment):
         assert total(after, "kvflow_router_kv_event_apply_lag_seconds_count") > 0
         # Bridge, in the same process as the router.
         assert total(after, "kvflow_bridge_requests_total", status="200") == 12
-        # Consumer lag (refreshed at most every 2 s): every worker slot's group has committed on its queue.
+        # Consumer lag (refreshed at most every 2 s): every worker slot's group has committed on its queue,
+        # and the router's on the requests topic (Faust commits every few seconds).
         lag_groups: set[str] = set()
-        for _ in range(100):
+        for _ in range(300):
             lagging = await scrape(http, sup.metrics_url)
             lag_groups = {dict(ls)["group"] for (n, ls) in lagging if n == "kvflow_consumer_lag_records"}
-            if sum(".worker.aggregated." in g for g in lag_groups) == 2:
+            if sum(".worker.aggregated." in g for g in lag_groups) == 2 \
+                    and f"{sup.settings.namespace}-router" in lag_groups:
                 break
             await asyncio.sleep(0.2)
         assert sum(".worker.aggregated." in g for g in lag_groups) == 2, lag_groups
