@@ -71,8 +71,8 @@ async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Ch
     await consumer.start()
     if consumers is not None:
         consumers.append(consumer)
-    adapt_fetch_wait(consumer, settings, NOT_HOT)  # nothing here is urgent: park between records
     try:
+        adapt_fetch_wait(consumer, settings, NOT_HOT)  # nothing here is urgent: park between records
         while True:
             batches = await consumer.getmany(timeout_ms=FOLLOW_POLL_MS, max_records=10_000)
             for tp, msgs in batches.items():
