@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.workers.heartbeat_clock import idle_beat_due, next_tick, tick_time, wait_for_tick
+from kvflow.workers.heartbeat_clock import idle_beat_due, next_idle_beat_tick, next_tick, tick_time, wait_for_tick
 
 
 def test_ticks_are_whole_multiples_of_the_interval():
@@ -40,3 +40,17 @@ def test_a_late_or_stepped_clock_never_stalls_the_beats():
     assert idle_beat_due(last_beat_s=5000.0, tick_s=11.0, idle_period_s=5.0)  # ... and the idle beat is due
     with pytest.raises(ValueError):
         idle_beat_due(0.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize(("interval", "idle"), [(1.0, 5.0), (0.5, 5.0), (1.0, 2.5), (0.3, 1.0), (2.0, 2.0)])
+def test_the_parked_worker_wakes_on_the_tick_of_its_next_idle_beat(interval, idle):
+    # Stepping tick by tick with idle_beat_due and jumping with next_idle_beat_tick agree.
+    for last_tick in range(40, 80):
+        last = tick_time(last_tick, interval)
+        tick = last_tick + 1
+        while not idle_beat_due(last, tick_time(tick, interval), idle):
+            tick += 1
+        assert next_idle_beat_tick(last, interval, idle) == tick
+    assert next_idle_beat_tick(103.9, 1.0, 5.0) == 105  # a beat between ticks (start-up)
+    with pytest.raises(ValueError):
+        next_idle_beat_tick(1.0, 1.0, 0.0)

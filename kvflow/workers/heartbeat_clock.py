@@ -15,13 +15,17 @@ workers beating at their own phases every 5 s woke each reader 0.8 times a
 second; beating together, 0.2 times. Liveness is unchanged: the gap between
 two idle beats is still at most the idle period (plus the loop's lateness),
 which the idle heartbeat's longer TTL covers.
+
+An idle worker also need not wake at every tick to find that nothing
+changed: :func:`next_idle_beat_tick` names the tick of its next idle beat, and
+the worker sleeps until then unless work (or an unscheduled beat) wakes it.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["next_tick", "tick_time", "wait_for_tick", "idle_beat_due"]
+__all__ = ["next_tick", "tick_time", "wait_for_tick", "idle_beat_due", "next_idle_beat_tick"]
 
 _EPS = 1e-9
 
@@ -71,3 +75,17 @@ def idle_beat_due(last_beat_s: float, tick_s: float, idle_period_s: float) -> bo
     if tick_s < last_beat_s:
         return True
     return math.floor(tick_s / idle_period_s + _EPS) > math.floor(last_beat_s / idle_period_s + _EPS)
+
+
+def next_idle_beat_tick(last_beat_s: float, interval_s: float, idle_period_s: float) -> int:
+    """Index of the first tick (``interval_s`` grid) at which
+    :func:`idle_beat_due` holds for a worker that last beat at ``last_beat_s``:
+    the first tick at or after the next whole multiple of ``idle_period_s``.
+
+    Raises:
+        ValueError: ``interval_s`` or ``idle_period_s`` <= 0.
+    """
+    if interval_s <= 0 or idle_period_s <= 0:
+        raise ValueError(f"interval_s and idle_period_s must be > 0, got {interval_s}, {idle_period_s}")
+    boundary = (math.floor(last_beat_s / idle_period_s + _EPS) + 1) * idle_period_s
+    return math.ceil(boundary / interval_s - _EPS)

@@ -114,7 +114,7 @@ from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.workers import admin, disagg
 from kvflow.workers.engines.base import Engine, EngineError, EngineOutput, GenerateRequest
 from kvflow.workers.engines.capabilities import DumpsKvEvents, ExposesKvLayout, HasTokenizer, ServesLora
-from kvflow.workers.heartbeat_clock import idle_beat_due, next_tick, tick_time, wait_for_tick
+from kvflow.workers.heartbeat_clock import idle_beat_due, next_idle_beat_tick, next_tick, tick_time, wait_for_tick
 from kvflow.workers.kv.transfer import KvTransport, TransferConfig
 from kvflow.workers.lora import AdapterError, AdapterManager
 from kvflow.workers.prometheus import WorkerExporter
@@ -224,6 +224,7 @@ class Worker:
         # Cancels of requests not held here, by request id (at most CANCELS_REMEMBERED).
         self.early_cancels: OrderedDict[str, CancelRequest] = OrderedDict()
         self._stop = asyncio.Event()
+        self._heartbeat_wake = asyncio.Event()  # work arrived or a beat went out: a parked heartbeat loop resumes
         self._tasks: list[asyncio.Task] = []
         self._side_tasks: set[asyncio.Task] = set()  # deadline cancels in progress
         self._last_tokens = (time.monotonic(), 0, 0)
@@ -371,31 +372,49 @@ class Worker:
     # request path ------------------------------------------------------------
 
     async def _consume_loop(self) -> None:
-        while not self._stop.is_set():
-            room = self.config.max_inflight - len(self.inflight)
-            if room <= 0 or self.queue_paused:
-                await asyncio.sleep(0.005)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                room = self.config.max_inflight - len(self.inflight)
+                if room <= 0 or self.queue_paused:
+                    await asyncio.sleep(0.005)
+                    continue
+                # Records end the wait at once, and so does a stop: an idle worker does not wake
+                # every second to look (each empty getmany is a wake-up and some CPU).
+                fetch = asyncio.ensure_future(
+                    self.consumer.getmany(self.queue_tp, timeout_ms=FOLLOW_POLL_MS, max_records=room))
+                await asyncio.wait((fetch, stopped), return_when=asyncio.FIRST_COMPLETED)
+                if not fetch.done():
+                    fetch.cancel()  # records not yet returned stay unconsumed for the slot's next worker
+                    await asyncio.gather(fetch, return_exceptions=True)
+                    if not fetch.cancelled() and fetch.exception() is None:
+                        await self._take(fetch.result())
+                    break
+                await self._take(fetch.result())
+        finally:
+            stopped.cancel()
+
+    async def _take(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        """Start serving the queue records of one ``getmany``, then commit past them."""
+        records = batches.get(self.queue_tp, [])
+        for msg in records:
+            request = await self.dlq.decode(InferenceRequest, msg)
+            if request is None:
                 continue
-            # Records end the wait at once; the timeout only paces the stop check (each empty getmany costs CPU).
-            batches = await self.consumer.getmany(self.queue_tp, timeout_ms=1000, max_records=room)
-            records = batches.get(self.queue_tp, [])
-            for msg in records:
-                request = await self.dlq.decode(InferenceRequest, msg)
-                if request is None:
-                    continue
-                if request.request_id in self.inflight:
-                    continue  # duplicate delivery of a request already being served
-                if self._routed_elsewhere(request):
-                    self.skipped_foreign += 1  # its router answers it worker_lost; the client resubmits
-                    continue
-                early = self.early_cancels.pop(request.request_id, None)
-                if early is not None:
-                    self._count_cancel(early)  # its cancel overtook it; _serve answers it at once
-                task = asyncio.create_task(self._serve(request, extract_context(msg.headers)),
-                                           name=f"req-{request.request_id}")
-                self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
-            if records:
-                await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
+            if request.request_id in self.inflight:
+                continue  # duplicate delivery of a request already being served
+            if self._routed_elsewhere(request):
+                self.skipped_foreign += 1  # its router answers it worker_lost; the client resubmits
+                continue
+            early = self.early_cancels.pop(request.request_id, None)
+            if early is not None:
+                self._count_cancel(early)  # its cancel overtook it; _serve answers it at once
+            task = asyncio.create_task(self._serve(request, extract_context(msg.headers)),
+                                       name=f"req-{request.request_id}")
+            self.inflight[request.request_id] = _Inflight(request, task, now_ms(), cancel=early)
+            self._heartbeat_wake.set()
+        if records:
+            await self.consumer.commit({self.queue_tp: records[-1].offset + 1})
 
     def _routed_elsewhere(self, request: InferenceRequest) -> bool:
         """Whether ``request`` was routed to another worker on this slot (a
@@ -830,6 +849,7 @@ class Worker:
         )
 
     async def _heartbeat(self) -> None:
+        self._heartbeat_wake.set()
         await self.producer.send_and_wait(self.catalog.workers.name, encode(self._heartbeat_record()),
                                           key=self.config.worker_id.encode())
         produced(self.catalog.workers.name)  # a start or status change: routers and bridges should see it now
@@ -849,21 +869,37 @@ class Worker:
         # Busy: a beat every interval. Idle and unchanged: one per idle period, with a TTL
         # stretched to match, so an idle deployment sends (and its readers fetch) 5x fewer.
         # Ticks sit on wall-clock multiples so idle workers beat together (heartbeat_clock).
+        # Idle and unchanged, the loop parks until its next idle beat instead of waking every
+        # tick to find nothing new; a request taken or a beat sent elsewhere wakes it.
         interval = self.settings.heartbeat_interval_ms / 1000
         last_metrics = time.monotonic()
         last_beat = time.time()
         last_state: dict | None = None
         tick = next_tick(time.time(), interval)
+        parked = False
         while True:
-            tick, delay = wait_for_tick(tick, interval, time.time())
-            await asyncio.sleep(delay)
+            idle_s = self._idle_period_ms() / 1000
+            park_tick = next_idle_beat_tick(last_beat, interval, idle_s) if parked else tick
+            delay = tick_time(park_tick, interval) - time.time()
+            if parked and delay <= idle_s:  # else the wall clock went back: tick on (wait_for_tick re-bases)
+                tick = park_tick
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._heartbeat_wake.wait(), max(delay, 0.0))
+                    tick, parked = next_tick(time.time(), interval), False  # woken early: back on every tick
+                    continue
+            else:
+                tick, delay = wait_for_tick(tick, interval, time.time())
+                await asyncio.sleep(delay)
             at = tick_time(tick, interval)
             tick = max(tick + 1, next_tick(time.time(), interval))  # a late loop skips ticks, never doubles
+            self._heartbeat_wake.clear()  # set from here on: something changed after this snapshot
+            parked = False
             try:
                 record = self._heartbeat_record()
                 state = record.model_dump(exclude={"ts_ms"})
                 if (state == last_state and self._idle()
                         and not idle_beat_due(last_beat, at, self._idle_period_ms() / 1000)):
+                    parked = True
                     continue
                 last_state, last_beat = state, at
                 sent = await self.producer.send(self.catalog.workers.name, encode(record),

@@ -1,0 +1,72 @@
+"""An idle worker's heartbeat loop parks between idle beats and work wakes it
+(kvflow.workers.worker, kvflow.workers.heartbeat_clock), on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import TopicPartition
+from deployment import in_process_cluster
+
+from kvflow.schemas import SamplingParams, WorkerHeartbeat, decode
+from kvflow.streams.kafka import make_consumer
+from kvflow.workers.engines.mocker_core import MockerConfig
+
+MODEL = "mock-idle"
+INTERVAL_MS = 200
+IDLE_MS = 3_600_000
+"""An hour: a loop that slept to its next idle beat without being woken would
+show nothing of the request below within the test's deadline."""
+
+
+async def heartbeat_showing_work(settings, catalog, worker_id: str, timeout_s: float) -> WorkerHeartbeat:
+    """The first heartbeat of ``worker_id`` whose ``lifecycle_seq`` is past 0 (it has taken a request).
+
+    Raises:
+        AssertionError: none within ``timeout_s``.
+    """
+    consumer = make_consumer(settings)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(catalog.workers.name, p) for p in range(catalog.workers.partitions)]
+        consumer.assign(tps)
+        for tp in tps:
+            await consumer.seek_to_beginning(tp)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            for msgs in (await consumer.getmany(*tps, timeout_ms=200)).values():
+                for msg in msgs:
+                    hb = decode(WorkerHeartbeat, msg.value)
+                    if hb.worker_id == worker_id and hb.lifecycle_seq > 0:
+                        return hb
+        raise AssertionError(f"no heartbeat of {worker_id} showed its request within {timeout_s} s")
+    finally:
+        await consumer.stop()
+
+
+async def test_an_idle_worker_parks_between_beats_and_a_request_wakes_it(kafka, waiter):
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"heartbeat_interval_ms": INTERVAL_MS, "heartbeat_idle_ms": IDLE_MS})
+    mocker = MockerConfig(speedup_ratio=1.0, block_size=16, num_kv_blocks=1024)
+    async with in_process_cluster(settings, catalog, waiter, model=MODEL, mocker=mocker,
+                                  workers=1) as (_, (worker,), client):
+        snapshots: list[int] = []
+        record = worker._heartbeat_record
+
+        def counted() -> WorkerHeartbeat:
+            snapshots.append(1)
+            return record()
+
+        worker._heartbeat_record = counted  # every tick the loop wakes for builds one
+        await waiter(lambda: len(snapshots) >= 1, timeout_s=30)  # it has ticked since the start-up beat
+        parked_at = len(snapshots)
+        await asyncio.sleep(20 * INTERVAL_MS / 1000)  # a window of 20 ticks
+        assert len(snapshots) - parked_at <= 1, "an idle, unchanged worker woke on every tick"
+
+        request = client.new_request(MODEL, prompt="wake up", sampling=SamplingParams(max_tokens=4))
+        final = await client.complete(request)
+        assert final.worker_id == "w0" and final.usage.completion_tokens == 4
+        hb = await heartbeat_showing_work(settings, catalog, "w0", timeout_s=30)
+        assert hb.lifecycle_seq >= 1
+
