@@ -4,7 +4,8 @@ Starts `kvflow up --engine mocker` (embedded broker, router, bridge, N worker
 processes) as a child process group, then:
 
 1. idle: CPU seconds of every kvflow process and the broker over ``--idle-s``
-   with no traffic (after a settle period);
+   with no traffic (after a settle period), and their wake-ups per second
+   (Linux), a figure that host noise moves far less;
 2. load: the first ``--requests`` of a Mooncake trace replayed with AIPerf
    (fixed schedule, streaming chat, server token counts: the same command the
    Dynamo comparison uses), measuring answered requests, TTFT/ITL and CPU
@@ -92,6 +93,30 @@ def cpu_seconds(up: psutil.Process) -> dict[str, float]:
                 total += t.user + t.system
             except psutil.Error:
                 pass
+        out[name] = total
+    return out
+
+
+def wakeups(up: psutil.Process) -> dict[str, int] | None:
+    """Times each group's threads were put on a CPU so far (Linux
+    ``/proc/<pid>/task/<tid>/schedstat``, third field), per group of
+    :func:`groups`; None where that file does not exist.
+
+    Wake-ups, unlike CPU seconds, barely depend on how loaded or cold the
+    host is: on a shared VM the CPU one wake-up costs varied 10x between
+    idle windows an hour apart, while the wake-up count stayed put.
+    """
+    out = {}
+    for name, members in groups(up).items():
+        total = 0
+        for p in members:
+            try:
+                for tid in os.listdir(f"/proc/{p.pid}/task"):
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[2])
+            except (OSError, IndexError, ValueError):
+                if not os.path.exists("/proc/self/schedstat"):
+                    return None
         out[name] = total
     return out
 
@@ -319,13 +344,15 @@ def main() -> None:
         state = json.loads((work / "up.json").read_text())
         time.sleep(args.settle_s)
         up_proc = psutil.Process(up.pid)
-        c0 = cpu_seconds(up_proc)
+        c0, w0 = cpu_seconds(up_proc), wakeups(up_proc)
         time.sleep(args.idle_s)
-        idle = delta(c0, cpu_seconds(up_proc))
+        idle, w1 = delta(c0, cpu_seconds(up_proc)), wakeups(up_proc)
         procs = groups(up_proc)
         result["processes"] = {name: len(members) for name, members in procs.items()}
         result["idle_cpu_pct_of_one_core"] = round(100 * sum(idle.values()) / args.idle_s, 2)
         result["idle_cpu_s"] = idle
+        if w0 is not None and w1 is not None:
+            result["idle_wakeups_per_s"] = {k: round((w1[k] - w0.get(k, 0)) / args.idle_s, 1) for k in w1}
 
         if args.requests > 0:
             spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []

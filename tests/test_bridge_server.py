@@ -1,5 +1,6 @@
-"""The bridge's uvicorn server: a one-second tick that still serves, refreshes
-the date header and stops at once when asked."""
+"""The bridge's uvicorn server: a one-second tick while connections are open,
+none while there are none, a date header refreshed when a connection arrives,
+and a stop at once when asked."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ async def test_serves_with_a_date_header_and_stops():
 async def test_every_tick_refreshes_the_headers(monkeypatch):
     monkeypatch.setattr(server_mod, "TICK_S", 0.001)
     server = BridgeServer(uvicorn.Config(_app()))
+    server.server_state.connections.add(object())  # a connection is open: the loop ticks
     counters = []
 
     async def on_tick(counter: int) -> bool:
@@ -64,3 +66,43 @@ async def test_a_shutdown_request_wakes_the_tick_at_once(monkeypatch):
     server.should_exit = True
     await asyncio.wait_for(loop, 60)
     assert ticks == 2 and server.should_exit
+
+
+async def test_an_idle_loop_waits_for_a_connection_and_ticks_when_one_arrives(monkeypatch):
+    # No connection and an hour-long tick: only the new connection can bring the second tick.
+    monkeypatch.setattr(server_mod, "TICK_S", 3600.0)
+    server = BridgeServer(uvicorn.Config(_app()))
+    ticks = 0
+
+    async def on_tick(counter: int) -> bool:
+        nonlocal ticks
+        ticks += 1
+        return server.should_exit
+
+    server.on_tick = on_tick
+    loop = asyncio.create_task(server.main_loop())
+    while ticks == 0:
+        await asyncio.sleep(0)
+    server.server_state.connections.add(object())
+    await asyncio.wait_for(_until(lambda: ticks == 2), 60)
+    server.should_exit = True
+    await asyncio.wait_for(loop, 60)
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0)
+
+
+async def test_a_request_after_an_idle_spell_carries_a_date_refreshed_for_its_connection(monkeypatch):
+    import uvicorn.server as uvicorn_server
+
+    async with serve_app(_app()) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/ping")).status_code == 200
+        # The connection is closed: the loop sleeps. The next connection must refresh the header.
+        marker = "Mon, 01 Jan 2046 00:00:00 GMT"
+        monkeypatch.setattr(uvicorn_server, "formatdate", lambda *a, **k: marker)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            reply = await http.get("/ping")
+    assert reply.status_code == 200 and reply.headers["date"] == marker

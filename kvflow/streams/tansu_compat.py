@@ -48,15 +48,16 @@ log = logging.getLogger(__name__)
 __all__ = ["consumer_overrides", "producer_overrides", "patch_faust_fetch_wait", "patch_gap_refetch",
            "GAP_ACCEPT_S", "FETCHER_TIMEOUT_MS"]
 
-FETCHER_TIMEOUT_MS = 2000
+FETCHER_TIMEOUT_MS = 10_000
 """aiokafka's ``consumer_timeout_ms`` for consumers of the embedded broker: the
 longest its background fetch routine sleeps before looking at its partitions
 again. The routine also wakes when a fetch completes (or is cut short, see
 :mod:`kvflow.streams.fetch_wait`), when the caller consumes buffered records,
-on an unassignment and on a resume, so this tick only bounds how late it
+on a seek, an unassignment and a resume, so this tick only bounds how late it
 notices anything else. aiokafka's 200 ms default costs every idle consumer
 five loop wake-ups a second (measured: 17 a second in the bridge and router
-process of ``kvflow up``, 5 in each worker, with nothing to fetch)."""
+process of ``kvflow up``, 5 in each worker, with nothing to fetch); a 2 s
+tick still cost the five consumers of ``kvflow up``'s loop 2.5 a second."""
 
 
 def consumer_overrides(embedded: bool, fetch_max_wait_ms: int = 5) -> dict[str, Any]:
