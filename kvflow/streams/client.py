@@ -95,7 +95,7 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.deadlines import deadline_ms, default_timeout_s
 from kvflow.streams.fetch_wait import produced, wake
 from kvflow.streams.follow import MIGRATABLE, Emit, Follower, Resubmit, StreamCursor
-from kvflow.streams.kafka import FOLLOW_POLL_MS, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.resume import StreamNotFound, Tick, read_request_records
 from kvflow.streams.tracing import inject_headers
 
@@ -333,8 +333,7 @@ class KvflowClient:
 
     async def _read_responses(self) -> None:
         while True:
-            # Records end the wait at once; an idle client need not wake every second to look.
-            batches = await self._consumer.getmany(timeout_ms=FOLLOW_POLL_MS)
+            batches = await self._consumer.getmany(timeout_ms=1000)
             if not batches and self._lag() == 0:
                 self._progress = time.monotonic()
             for tp, records in batches.items():
@@ -371,8 +370,6 @@ class KvflowClient:
         if reply_to.partition not in self._next_offset:
             request = request.model_copy(update={"reply_to": self.reply_to})
         queue: asyncio.Queue = asyncio.Queue()
-        if not self._pending and self._lag() == 0:
-            self._progress = time.monotonic()  # caught up while idle: the stall clock starts now
         self._pending[request.request_id] = (queue, request.reply_to.partition)
         return request, queue
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 __all__ = ["consumer_overrides", "producer_overrides", "patch_faust_fetch_wait", "patch_gap_refetch",
            "GAP_ACCEPT_S", "FETCHER_TIMEOUT_MS"]
 
-FETCHER_TIMEOUT_MS = 10_000
+FETCHER_TIMEOUT_MS = 2000
 """aiokafka's ``consumer_timeout_ms`` for consumers of the embedded broker: the
 longest its background fetch routine sleeps before looking at its partitions
 again. The routine also wakes when a fetch completes (or is cut short, see
@@ -56,8 +56,12 @@ again. The routine also wakes when a fetch completes (or is cut short, see
 on a seek, an unassignment and a resume, so this tick only bounds how late it
 notices anything else. aiokafka's 200 ms default costs every idle consumer
 five loop wake-ups a second (measured: 17 a second in the bridge and router
-process of ``kvflow up``, 5 in each worker, with nothing to fetch); a 2 s
-tick still cost the five consumers of ``kvflow up``'s loop 2.5 a second."""
+process of ``kvflow up``, 5 in each worker, with nothing to fetch). A 10 s
+tick was tried together with a 30 s ``getmany`` in the client's responses
+reader: in one Mooncake run of two, every stream's first token waited for
+the same moment, 9 s after the stall began, with no gap in a partition
+logged. Both were put back; the cause (some state in which nothing wakes
+the routine) is not found, and this tick bounds it."""
 
 
 def consumer_overrides(embedded: bool, fetch_max_wait_ms: int = 5) -> dict[str, Any]:
