@@ -48,45 +48,44 @@ async def test_every_tick_refreshes_the_headers(monkeypatch):
     assert len(counters) == 5 and all(c % TICKS_PER_HEADER == 0 for c in counters)
 
 
+class _TickCounter:
+    """A :class:`BridgeServer` (hour-long tick) whose ``on_tick`` only counts and
+    says to exit once ``should_exit`` is set; ``loop`` is its running main loop."""
+
+    def __init__(self) -> None:
+        self.server = BridgeServer(uvicorn.Config(_app()))
+        self.ticks = 0
+        self.server.on_tick = self._on_tick
+        self.loop: asyncio.Task | None = None
+
+    async def _on_tick(self, counter: int) -> bool:
+        self.ticks += 1
+        return self.server.should_exit
+
+    async def start(self) -> None:
+        self.loop = asyncio.create_task(self.server.main_loop())
+        await asyncio.wait_for(_until(lambda: self.ticks == 1), 60)
+
+
 async def test_a_shutdown_request_wakes_the_tick_at_once(monkeypatch):
     # With an hour-long tick, main_loop returns only if setting should_exit wakes it.
     monkeypatch.setattr(server_mod, "TICK_S", 3600.0)
-    server = BridgeServer(uvicorn.Config(_app()))
-    ticks = 0
-
-    async def on_tick(counter: int) -> bool:
-        nonlocal ticks
-        ticks += 1
-        return server.should_exit
-
-    server.on_tick = on_tick
-    loop = asyncio.create_task(server.main_loop())
-    while ticks == 0:
-        await asyncio.sleep(0)
-    server.should_exit = True
-    await asyncio.wait_for(loop, 60)
-    assert ticks == 2 and server.should_exit
+    counted = _TickCounter()
+    await counted.start()
+    counted.server.should_exit = True
+    await asyncio.wait_for(counted.loop, 60)
+    assert counted.ticks == 2 and counted.server.should_exit
 
 
 async def test_an_idle_loop_waits_for_a_connection_and_ticks_when_one_arrives(monkeypatch):
     # No connection and an hour-long tick: only the new connection can bring the second tick.
     monkeypatch.setattr(server_mod, "TICK_S", 3600.0)
-    server = BridgeServer(uvicorn.Config(_app()))
-    ticks = 0
-
-    async def on_tick(counter: int) -> bool:
-        nonlocal ticks
-        ticks += 1
-        return server.should_exit
-
-    server.on_tick = on_tick
-    loop = asyncio.create_task(server.main_loop())
-    while ticks == 0:
-        await asyncio.sleep(0)
-    server.server_state.connections.add(object())
-    await asyncio.wait_for(_until(lambda: ticks == 2), 60)
-    server.should_exit = True
-    await asyncio.wait_for(loop, 60)
+    counted = _TickCounter()
+    await counted.start()
+    counted.server.server_state.connections.add(object())
+    await asyncio.wait_for(_until(lambda: counted.ticks == 2), 60)
+    counted.server.should_exit = True
+    await asyncio.wait_for(counted.loop, 60)
 
 
 async def _until(predicate) -> None:
