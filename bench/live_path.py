@@ -102,9 +102,10 @@ def wakeups(up: psutil.Process) -> dict[str, int] | None:
     ``/proc/<pid>/task/<tid>/schedstat``, third field), per group of
     :func:`groups`; None where that file does not exist.
 
-    Wake-ups, unlike CPU seconds, barely depend on how loaded or cold the
-    host is: on a shared VM the CPU one wake-up costs varied 10x between
-    idle windows an hour apart, while the wake-up count stayed put.
+    Wake-ups depend far less than CPU seconds on how loaded or cold the
+    host is: on a shared 2-core VM the idle CPU of the same deployment
+    differed 8x between windows an hour apart, its wake-ups 1.6x
+    (docs/benchmarks.md, "Idle wake-ups").
     """
     out = {}
     for name, members in groups(up).items():
