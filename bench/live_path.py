@@ -104,7 +104,8 @@ def wakeups(up: psutil.Process) -> dict[str, int] | None:
 
     Wake-ups depend far less than CPU seconds on how loaded or cold the
     host is: on a shared 2-core VM the idle CPU of the same deployment
-    differed 8x between windows an hour apart, its wake-ups 1.6x
+    differed 8x between windows an hour apart, its wake-ups 1.3x (1.7x
+    at most for one group of processes)
     (docs/benchmarks.md, "Idle wake-ups").
     """
     out = {}
