@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 from aiokafka import TopicPartition
@@ -204,3 +205,27 @@ async def wait_router_ready(settings, catalog, producer, slot: int = 15, attempt
             await read_final(settings, catalog, slot, rid, timeout_s=2.0)
             return
     raise AssertionError("the router answered no probe")
+
+
+async def first_record(settings: Settings, topic: str, partitions: int, pick: Callable[[bytes], Any],
+                       timeout_s: float, poll_ms: int = 200) -> Any:
+    """The first value other than None that ``pick`` returns for a record value of
+    ``topic`` (its ``partitions`` read from the beginning); None if none within ``timeout_s``."""
+    consumer = make_consumer(settings)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        for tp in tps:
+            await consumer.seek_to_beginning(tp)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            for msgs in (await consumer.getmany(*tps, timeout_ms=poll_ms)).values():
+                for msg in msgs:
+                    found = pick(msg.value)
+                    if found is not None:
+                        return found
+        return None
+    finally:
+        await consumer.stop()

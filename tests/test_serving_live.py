@@ -3,17 +3,13 @@ and a mocker worker that speculates reports its draft and accepted tokens on the
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
-from aiokafka import TopicPartition
 
-from deployment import running_deployment
+from deployment import first_record, running_deployment
 from kvflow.schemas import MetricRecord, WorkerMetrics, decode
 from kvflow.streams.bridge.serving_class import tenant_of
 from kvflow.streams.explain import read_decisions
-from kvflow.streams.kafka import make_consumer
 from kvflow.supervisor import WorkerSpec
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,24 +17,14 @@ MODEL = "SmolLM2-135M-Instruct"
 
 async def spec_metrics(settings, catalog, timeout_s: float = 60.0):
     """The first WorkerMetrics record with accepted draft tokens (None if none within ``timeout_s``)."""
-    consumer = make_consumer(settings)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(catalog.metrics.name, p) for p in range(catalog.metrics.partitions)]
-        consumer.assign(tps)
-        for tp in tps:
-            await consumer.seek_to_beginning(tp)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            for msgs in (await consumer.getmany(*tps, timeout_ms=500)).values():
-                for msg in msgs:
-                    rec = decode(MetricRecord, msg.value)
-                    if isinstance(rec, WorkerMetrics) and rec.spec_decode and rec.spec_decode.accepted_tokens:
-                        return rec.spec_decode
+    def accepted(value: bytes):
+        rec = decode(MetricRecord, value)
+        if isinstance(rec, WorkerMetrics) and rec.spec_decode and rec.spec_decode.accepted_tokens:
+            return rec.spec_decode
         return None
-    finally:
-        await consumer.stop()
+
+    return await first_record(settings, catalog.metrics.name, catalog.metrics.partitions, accepted, timeout_s,
+                              poll_ms=500)
 
 
 async def test_headers_reach_the_decision_record_and_speculation_reaches_the_metrics(kafka, monkeypatch):

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from aiokafka import TopicPartition
-from deployment import in_process_cluster
+from deployment import first_record, in_process_cluster
 
 from kvflow.schemas import SamplingParams, WorkerHeartbeat, decode
-from kvflow.streams.kafka import make_consumer
 from kvflow.workers.engines.mocker_core import MockerConfig
 from kvflow.workers.worker import Worker
 
@@ -26,24 +24,14 @@ async def heartbeat_showing_work(settings, catalog, worker_id: str, timeout_s: f
     Raises:
         AssertionError: none within ``timeout_s``.
     """
-    consumer = make_consumer(settings)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(catalog.workers.name, p) for p in range(catalog.workers.partitions)]
-        consumer.assign(tps)
-        for tp in tps:
-            await consumer.seek_to_beginning(tp)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            for msgs in (await consumer.getmany(*tps, timeout_ms=200)).values():
-                for msg in msgs:
-                    hb = decode(WorkerHeartbeat, msg.value)
-                    if hb.worker_id == worker_id and hb.lifecycle_seq > 0:
-                        return hb
+    def showing_work(value: bytes) -> WorkerHeartbeat | None:
+        hb = decode(WorkerHeartbeat, value)
+        return hb if hb.worker_id == worker_id and hb.lifecycle_seq > 0 else None
+
+    hb = await first_record(settings, catalog.workers.name, catalog.workers.partitions, showing_work, timeout_s)
+    if hb is None:
         raise AssertionError(f"no heartbeat of {worker_id} showed its request within {timeout_s} s")
-    finally:
-        await consumer.stop()
+    return hb
 
 
 async def test_an_idle_worker_parks_between_beats_and_a_request_wakes_it(kafka, waiter, monkeypatch):

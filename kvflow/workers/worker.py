@@ -898,7 +898,7 @@ class Worker:
                 record = self._heartbeat_record()
                 state = record.model_dump(exclude={"ts_ms"})
                 if (state == last_state and self._idle()
-                        and not idle_beat_due(last_beat, at, self._idle_period_ms() / 1000)):
+                        and not idle_beat_due(last_beat, at, idle_s)):
                     parked = True
                     continue
                 last_state, last_beat = state, at
