@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,3 +41,20 @@ async def test_the_broker_process_series_follow_the_real_broker(broker, kafka):
 async def test_a_stopped_broker_has_no_series():
     stopped = EmbeddedBroker()
     assert values(broker_process_registry(stopped)) == {}
+
+
+def tokio_workers(pid: int) -> int:
+    task = Path(f"/proc/{pid}/task")
+    return sum((t / "comm").read_text().strip() == "tokio-rt-worker" for t in task.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads threads from /proc (Linux)")
+async def test_the_embedded_broker_runs_the_tokio_workers_it_is_given(monkeypatch):
+    monkeypatch.delenv("TOKIO_WORKER_THREADS", raising=False)
+    for threads in (1, 2):
+        async with EmbeddedBroker(threads=threads) as broker:
+            # Tokio starts its workers before the listener accepts; blocking-pool threads
+            # share the name but start only on demand, and nothing has asked the broker yet.
+            assert tokio_workers(broker.process.pid) == threads
+    with pytest.raises(ValueError):
+        EmbeddedBroker(threads=0)

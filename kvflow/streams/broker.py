@@ -25,7 +25,7 @@ from kvflow.settings import Settings
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "broker_process_registry", "free_port"]
+__all__ = ["BROKER_THREADS", "BrokerError", "EmbeddedBroker", "broker_binary", "broker_process_registry", "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+BROKER_THREADS = 1
+"""Tokio worker threads of the embedded broker (``TOKIO_WORKER_THREADS``; tokio's
+default is one per CPU). One thread serves a deployment on one host: with two,
+each request woke both threads (work stealing), and on the live-path bench
+(Mooncake slice, 2-core host, docs/benchmarks.md) the broker's CPU per 1,000
+output tokens fell from 0.144–0.147 s (three runs) to 0.119–0.131 s (two) with one."""
+
+
 class EmbeddedBroker:
     """A Tansu broker child process on ``127.0.0.1:<port>``, memory storage.
 
     Use as ``async with EmbeddedBroker() as broker: broker.bootstrap_servers``.
     The child is put in its own process group and killed on :meth:`stop`.
+
+    Args:
+        port: TCP port; None picks a free one.
+        host: interface to listen on.
+        start_timeout_s: how long :meth:`start` waits for the port to accept.
+        threads: tokio worker threads of the broker (:data:`BROKER_THREADS`);
+            a ``TOKIO_WORKER_THREADS`` already in the environment wins.
+
+    Raises:
+        ValueError: ``threads`` < 1.
     """
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", start_timeout_s: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", start_timeout_s: float = 10.0,
+                 threads: int = BROKER_THREADS) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.host = host
         self.port = port or free_port(host)
         self.start_timeout_s = start_timeout_s
+        self.threads = threads
         self.process: subprocess.Popen | None = None
 
     @property
@@ -114,7 +136,7 @@ class EmbeddedBroker:
             [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env={"TOKIO_WORKER_THREADS": str(self.threads), **os.environ},
         )
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
         while True:
