@@ -98,6 +98,7 @@ from kvflow.router.orphans import Orphans, Routed
 from kvflow.router.pools import load_pool_grid
 from kvflow.router.projections import Follow, follow_topics
 from kvflow.router.prometheus import RouterExporter
+from kvflow.router.quiet_monitor import QuietMonitor
 from kvflow.router.shedding import BoundedRequestQueue, ShedConfig
 from kvflow.router.table import RoutingTable
 from kvflow.router.validation import validate_paced
@@ -232,6 +233,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         store="memory://",
         datadir=tempfile.mkdtemp(prefix="kvflow-router-"),  # Faust writes here; keep it out of the cwd
         web_enabled=False,
+        Monitor=QuietMonitor,  # no rates are read: no sampler waking every second
         autodiscover=False,
         producer_linger_ms=0,
         producer_max_request_size=settings.max_record_bytes,
