@@ -97,6 +97,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.router.index import KvIndex, OverlapScores
 from kvflow.router.policies import Policy, RouteRequest, register_policy, request_rng

@@ -39,7 +39,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvflow.schemas import InferenceRequest, now_ms
 from kvflow.schemas.transfer import DecodeStage, KvTransferInfo, PrefillStage, TransferDescriptor, parse_stage

@@ -29,7 +29,7 @@ from aiokafka.errors import KafkaError
 from fastapi import Request, Response
 from pydantic import ValidationError
 
-from kvflow.schemas import ChatMessage, FinalResponse, FinishReason, StoredResponse, TokenDelta, now_ms
+from kvflow.schemas import ChatMessage, FinalResponse, FinishReason, StoredResponse, TokenDelta
 from kvflow.schemas.openai import ChatCompletionRequest
 from kvflow.schemas.openai_responses import (
     IncompleteDetails,
