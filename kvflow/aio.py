@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["cancel_and_wait", "loop_factory", "run"]
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -19,3 +23,43 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event-loop constructor for ``kind``: ``uvloop`` (uvloop's loop),
+    ``asyncio`` (Python's own) or ``auto`` (uvloop when it can be imported).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+        ImportError: ``kind`` is ``uvloop`` and uvloop is not installed.
+    """
+    if kind not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"event loop must be auto, uvloop or asyncio, not {kind!r}")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
+    """Run ``main`` to completion on a new loop from :func:`loop_factory`, as
+    :func:`asyncio.run` does (the loop is closed after, and Ctrl-C cancels ``main``).
+
+    Returns what ``main`` returns.
+
+    Raises:
+        ValueError, ImportError: see :func:`loop_factory` (``main`` is closed unrun).
+        Exception: whatever ``main`` raises.
+    """
+    try:
+        factory = loop_factory(kind)
+    except (ValueError, ImportError):
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvflow import aio
 from kvflow.cli_options import (
     BootstrapOpt,
     CompileOpt,
@@ -316,7 +317,7 @@ def up(
             await sup.stop()
             remove_state(state_file_path)
 
-    asyncio.run(main())
+    aio.run(main(), settings.event_loop)
 
 
 @app.command()
@@ -359,11 +360,11 @@ def worker(
     from kvflow.streams.tracing import setup_tracing
 
     setup_tracing(settings, "kvflow-worker")
-    asyncio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
-                           worker_id=settings.worker_id,
-                           block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
-                           device=device, tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
-                           compiled=compiled))
+    aio.run(run_worker(settings, slot=settings.worker_slot, engine=engine, model=model, role=role,
+                       worker_id=settings.worker_id,
+                       block_size=block_size, num_kv_blocks=num_kv_blocks, speedup_ratio=speedup_ratio,
+                       device=device, tokenizer=tokenizer, kv_cache_gb=kv_cache_gb, dtype=dtype,
+                       compiled=compiled), settings.event_loop)
 
 
 @app.command("bridge")
@@ -456,8 +457,8 @@ def router_cmd(
         typer.echo(f"router {router.router_id} (policy {router.policy}) routing {router.catalog.requests.name} "
                    f"on {settings.bootstrap_servers}" + (f"; metrics: {metrics_url}" if metrics_url else ""))
 
-    asyncio.run(serve_router(settings, router_id=router_id, group=group, ensure_topics=create_topics,
-                             on_ready=ready))
+    aio.run(serve_router(settings, router_id=router_id, group=group, ensure_topics=create_topics,
+                         on_ready=ready), settings.event_loop)
 
 
 @app.command()

