@@ -32,6 +32,7 @@ def test_an_unknown_loop_is_refused_and_the_coroutine_closed():
 
 
 def test_the_setting_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("KVFLOW_EVENT_LOOP", raising=False)
     assert Settings().event_loop == "auto"
     monkeypatch.setenv("KVFLOW_EVENT_LOOP", "asyncio")
     assert Settings().event_loop == "asyncio"
