@@ -404,8 +404,10 @@ def bridge_cmd(
         raise typer.BadParameter(str(exc), param_hint="--api-keys-file") from exc
     from kvflow.streams.bridge.server import BridgeServer
 
+    # uvicorn's own loop names are kvflow's: auto (uvloop when installed), asyncio, uvloop.
     BridgeServer(uvicorn.Config(app, host=host, port=listen_port, log_level="info" if verbose else "warning",
-                                lifespan="on", timeout_keep_alive=BRIDGE_KEEP_ALIVE_S)).run()
+                                lifespan="on", timeout_keep_alive=BRIDGE_KEEP_ALIVE_S,
+                                loop=settings.event_loop)).run()
 
 
 @app.command("router")
@@ -634,7 +636,7 @@ def shadow_cmd(
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()
 
-    asyncio.run(main())
+    aio.run(main(), settings.event_loop)
 
 
 @app.command("index")
@@ -812,7 +814,7 @@ def planner_cmd(
         finally:
             await services.stop()
 
-    asyncio.run(main())
+    aio.run(main(), settings.event_loop)
 
 
 def _int_list(values: list[str] | None) -> list[int] | None:

@@ -323,8 +323,8 @@ class Settings(BaseSettings):
     ``None``: ``~/.cache/kvflow``. Defaults to ``None``."""
 
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
-    """Event loop of the long-lived commands (``kvflow up``, ``kvflow worker``,
-    ``kvflow router``): ``uvloop``, Python's own ``asyncio`` loop, or ``auto``
+    """Event loop of the long-running commands (``kvflow up``, ``worker``,
+    ``router``, ``bridge``, ``planner``, ``shadow``): ``uvloop``, Python's own ``asyncio`` loop, or ``auto``
     (uvloop when it is installed, else asyncio). Defaults to ``auto``: on the
     live-path bench uvloop cost the bridge's and the workers' loops less CPU
     per token, 2–5% less in all (docs/benchmarks.md, "One broker thread", uvloop)."""
