@@ -778,7 +778,7 @@ def planner_cmd(
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     catalog = Catalog(settings.namespace)
-    conn, counter = None, workers_topic_counter(settings, catalog)
+    conn = None
     if connector == "kubernetes":
         from kvflow.planner.connectors.kubernetes import KubernetesConnector, load_apps_api
 
@@ -797,7 +797,9 @@ def planner_cmd(
 
         async def counter() -> dict[WorkerRole, int]:
             return {p: await k8s.replicas(p) for p in config.pools}
-    elif connector != "none":
+    elif connector == "none":
+        counter = workers_topic_counter(settings, catalog)
+    else:
         raise typer.BadParameter(f"--connector must be none or kubernetes, not {connector!r}")
 
     async def main() -> None:

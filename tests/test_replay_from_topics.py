@@ -4,6 +4,7 @@ another policy and compared with what was recorded."""
 
 import asyncio
 import json
+import os
 import sys
 
 import pytest
@@ -65,15 +66,20 @@ async def kvflow(*args: str) -> str:
 
 
 async def replay(settings, since: int, until: int, policy: str, out) -> dict:
+    scratch = out / "tmp"
+    scratch.mkdir(exist_ok=True)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow", "replay", "--from-topics", "--since", str(since), "--until", str(until),
         "--plots", str(out / policy),
         "--policy", policy, "--speedup-ratio", "50", "--no-progress", "--json", str(out / f"{policy}.json"),
         "--recorded-json", str(out / "recorded.json"), "--bootstrap-servers", settings.bootstrap_servers,
-        "--namespace", settings.namespace, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "--namespace", settings.namespace, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)})
     stdout, stderr = await proc.communicate()
     assert proc.returncode == 0, stderr.decode()[-2000:]
     assert "recorded" in stdout.decode()
+    # The trace rebuilt from the topics was not asked to be kept: nothing of it stays behind.
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("kvflow-replay-")]
     return json.loads((out / f"{policy}.json").read_text())
 
 

@@ -4,7 +4,6 @@ and a mocker worker that speculates reports its draft and accepted tokens on the
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from deployment import first_record, running_deployment
 from kvflow.schemas import MetricRecord, WorkerMetrics, decode

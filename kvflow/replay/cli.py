@@ -333,6 +333,8 @@ def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None
         typer.BadParameter: no request was created in the window.
     """
     import asyncio
+    import atexit
+    import shutil
     import tempfile
 
     from kvflow.replay.from_log import read_recorded, recorded_report, write_trace
@@ -341,7 +343,12 @@ def _from_topics(settings, since_ms: int, until_ms: int, save_trace: Path | None
     if not run.requests:
         raise typer.BadParameter(f"no request was created in [{since_ms}, {until_ms}) on namespace "
                                  f"{settings.namespace}")
-    path = save_trace or Path(tempfile.mkdtemp(prefix="kvflow-replay-")) / "topics.jsonl"
+    if save_trace is None:
+        scratch = tempfile.mkdtemp(prefix="kvflow-replay-")
+        atexit.register(shutil.rmtree, scratch, True)  # the rebuilt trace is only kept when asked for
+        path = Path(scratch) / "topics.jsonl"
+    else:
+        path = save_trace
     write_trace(run, path)
     return recorded_report(run, trace=f"topics[{since_ms},{until_ms})", sla_ttft_ms=sla_ttft_ms,
                            sla_itl_ms=sla_itl_ms), path, run.hop_ms()
