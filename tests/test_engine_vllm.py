@@ -17,6 +17,7 @@ Two parts:
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from types import SimpleNamespace
 
@@ -36,6 +37,7 @@ from kvflow.workers.engines.vllm import (
     engine_output_from_vllm,
     finish_reason_from_vllm,
     platform_block_size,
+    private_rpc_dir,
     vllm_engine_args,
     vllm_sampling_kwargs,
 )
@@ -374,6 +376,33 @@ async def test_greedy_matches_hf_and_kv_events_carry_router_hashes(vllm_engine, 
     assert index.find_matches(router_hashes).prefix("w0") == len(prompt) // bs
     assert eng.kv_subscriber.stats.gaps == 0 and eng.kv_subscriber.stats.decode_errors == 0
     assert eng.kv_subscriber.translator.stats.unknown_parent == 0
+
+
+def test_vllm_sockets_go_to_a_private_directory_unless_one_is_set(monkeypatch, tmp_path):
+    import shutil
+
+    import kvflow.workers.engines.vllm as vllm_module
+
+    monkeypatch.setattr(vllm_module, "_RPC_DIR", [])
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    assert private_rpc_dir() == str(tmp_path)  # the operator's choice is kept
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    made = private_rpc_dir()
+    try:
+        assert os.path.isdir(made) and os.path.basename(made).startswith("kvflow-vllm-ipc-")
+        assert os.environ["VLLM_RPC_BASE_PATH"] == made  # what vLLM's engine-core process inherits
+        assert private_rpc_dir() == made  # one per process
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.mark.slow
+async def test_vllms_own_sockets_live_in_kvflows_directory(vllm_engine):
+    """The running engine's ZeroMQ sockets are files in the directory the worker removes at exit,
+    not in the system temp directory, where vLLM leaves them behind."""
+    rpc_dir = os.environ["VLLM_RPC_BASE_PATH"]
+    assert os.path.basename(rpc_dir).startswith("kvflow-vllm-ipc-")
+    assert os.listdir(rpc_dir), "vLLM bound no socket in the directory it was given"
 
 
 @pytest.mark.slow

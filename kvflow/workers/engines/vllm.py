@@ -119,6 +119,7 @@ __all__ = [
     "engine_output_from_vllm",
     "finish_reason_from_vllm",
     "platform_block_size",
+    "private_rpc_dir",
     "vllm_engine_args",
     "vllm_sampling_kwargs",
 ]
@@ -126,6 +127,37 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _KV_EVENTS_TOPIC = "kvflow"
+
+_RPC_DIR: list[str] = []  # this process's directory for vLLM's ZeroMQ sockets, once made
+
+
+def private_rpc_dir() -> str:
+    """The directory vLLM's engines in this process bind their ``ipc://`` sockets in.
+
+    vLLM names each of its ZeroMQ sockets ``<VLLM_RPC_BASE_PATH>/<uuid4>``
+    (``vllm.utils.network_utils.get_open_zmq_ipc_path``; the variable defaults
+    to the system temp directory) and leaves the files behind, four or so per
+    engine start, so a worker restarted for weeks fills ``/tmp``. Unless
+    ``VLLM_RPC_BASE_PATH`` is set, this makes a private directory, points the
+    variable at it (vLLM's engine-core processes inherit it) and removes the
+    directory when this process exits. Idempotent.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    preset = os.environ.get("VLLM_RPC_BASE_PATH")
+    if preset and (not _RPC_DIR or preset != _RPC_DIR[0]):
+        return preset
+    if not _RPC_DIR:
+        import atexit
+        import shutil
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="kvflow-vllm-ipc-")
+        atexit.register(shutil.rmtree, path, True)
+        _RPC_DIR.append(path)
+        os.environ["VLLM_RPC_BASE_PATH"] = path
+    return _RPC_DIR[0]
 
 CPU_BLOCK_MULTIPLE = 32
 """vLLM's CPU attention kernels take block sizes that are multiples of this
@@ -489,6 +521,7 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
         os.environ.update(env)  # read by vLLM's engine-core process, which inherits it
+        private_rpc_dir()
         self.engine_args = args
         self.block_size = int(args["block_size"])
         self._endpoint = new_ipc_endpoint()
