@@ -18,6 +18,9 @@ processes) as a child process group, then:
    (``engine_itl``: first token to finished over the tokens after the first,
    to set beside AIPerf's, which adds the delivery of the last record), and
    records on the responses topic;
+   from the router's /metrics its decision time (``router_decision_ms``, KV
+   catch-up waits included) and how many decisions waited for KV events
+   (``router_events``);
    and from the bridge's /metrics its own TTFT and the time from body read to
    request record built (``bridge_prepare_ms``: parsing, chat template, tokenizing)
    and the share of prompt characters the tokenizer's chunk cache served
@@ -241,16 +244,17 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
 
 
 def samples(url: str, name: str) -> list:
-    """The samples of the metric family ``name`` on ``url``'s /metrics (empty when absent)."""
+    """The samples of the metric family ``name`` on ``url``'s /metrics (``url``
+    itself when it ends in /metrics; empty when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(url if url.endswith("/metrics") else f"{url}/metrics", timeout=10).text
     return [sample for fam in text_string_to_metric_families(text) if fam.name == name for sample in fam.samples]
 
 
-def bridge_ttft(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
-    """Mean and bucket-estimated p50/p99 (ms) of one of the bridge's latency
-    histograms, from its /metrics: by default its own TTFT (body read → first
+def histogram_ms(url: str, name: str = "kvflow_bridge_ttft_seconds") -> dict:
+    """Mean and bucket-estimated p50/p99 (ms) of a latency histogram (seconds)
+    on ``url``'s /metrics: by default the bridge's own TTFT (body read → first
     token written); ``kvflow_bridge_prepare_seconds`` is body read → request
     record built (parsing, chat template, tokenizing)."""
     buckets: dict[float, float] = {}
@@ -395,11 +399,16 @@ def main() -> None:
                 "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
             })
             result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
-            result["bridge_ttft_ms"] = bridge_ttft(url)
-            result["bridge_prepare_ms"] = bridge_ttft(url, "kvflow_bridge_prepare_seconds")
+            result["bridge_ttft_ms"] = histogram_ms(url)
+            result["bridge_prepare_ms"] = histogram_ms(url, "kvflow_bridge_prepare_seconds")
             chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
             result["tokenize_chars_from_cache"] = round(chars.get("cache", 0) / sum(chars.values()), 3) if chars else None
             result["aiperf_ttft_ms_mean"] = export["time_to_first_token"]["avg"]
+            if state.get("metrics_url"):  # the router's share of bridge → router: its decisions and KV catch-up waits
+                result["router_decision_ms"] = histogram_ms(state["metrics_url"], "kvflow_router_decision_seconds")
+                events = counter_totals(state["metrics_url"], "kvflow_router_events", "event")
+                result["router_events"] = {k: int(events.get(k, 0)) for k in ("decisions", "kv_waits",
+                                                                            "kv_wait_timeouts")}
             result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
     finally:
         os.killpg(up.pid, signal.SIGINT)
