@@ -136,7 +136,7 @@ def private_rpc_dir() -> str:
 
     vLLM names each of its ZeroMQ sockets ``<VLLM_RPC_BASE_PATH>/<uuid4>``
     (``vllm.utils.network_utils.get_open_zmq_ipc_path``; the variable defaults
-    to the system temp directory) and leaves the files behind, four or so per
+    to the system temp directory) and leaves the files behind, about seven per
     engine start, so a worker restarted for weeks fills ``/tmp``. Unless
     ``VLLM_RPC_BASE_PATH`` is set, this makes a private directory, points the
     variable at it (vLLM's engine-core processes inherit it) and removes the
