@@ -145,19 +145,20 @@ def private_rpc_dir() -> str:
     Raises:
         OSError: the directory cannot be created.
     """
+    if _RPC_DIR:
+        return _RPC_DIR[0]
     preset = os.environ.get("VLLM_RPC_BASE_PATH")
-    if preset and (not _RPC_DIR or preset != _RPC_DIR[0]):
+    if preset:
         return preset
-    if not _RPC_DIR:
-        import atexit
-        import shutil
-        import tempfile
+    import atexit
+    import shutil
+    import tempfile
 
-        path = tempfile.mkdtemp(prefix="kvflow-vllm-ipc-")
-        atexit.register(shutil.rmtree, path, True)
-        _RPC_DIR.append(path)
-        os.environ["VLLM_RPC_BASE_PATH"] = path
-    return _RPC_DIR[0]
+    path = tempfile.mkdtemp(prefix="kvflow-vllm-ipc-")
+    atexit.register(shutil.rmtree, path, True)
+    _RPC_DIR.append(path)
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    return path
 
 CPU_BLOCK_MULTIPLE = 32
 """vLLM's CPU attention kernels take block sizes that are multiples of this
