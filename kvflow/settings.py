@@ -347,6 +347,13 @@ class Settings(BaseSettings):
     """``kvflow worker``: its id (``--worker-id``); ``None``: generated.
     Defaults to ``None``."""
 
+    mocker_output_interval_ms: float | None = Field(default=None, ge=0)
+    """Mocker workers: the engine wakes for first tokens, finishes, arrivals
+    and ticks of this period instead of every step, and hands the tokens of
+    the steps in between over together (:mod:`kvflow.workers.engines.mocker`);
+    0 wakes it for every step. ``None`` (the default) follows
+    ``stream_flush_ms``, which holds those tokens back as long anyway."""
+
     mocker_spec_num_draft_tokens: int = Field(default=0, ge=0, le=255)
     """Mocker workers: draft tokens proposed per request per decode step
     (speculative decoding, modelled); 0 = off. Defaults to 0."""

@@ -18,8 +18,8 @@ from kvflow.workers.engines import ENGINES, make_engine
 from kvflow.workers.engines.base import Engine
 from kvflow.workers.worker import Worker, WorkerConfig
 
-__all__ = ["build_engine", "run_worker", "run_embedding_worker", "run_encode_worker", "encode_target",
-           "DEFAULT_MEDIA_HIDDEN_SIZE", "MEDIA_ENCODER_SEED", "build_image_stage", "run_image_stage_worker"]
+__all__ = ["build_engine", "mocker_output_interval_s", "run_worker", "run_embedding_worker", "run_encode_worker",
+           "encode_target", "DEFAULT_MEDIA_HIDDEN_SIZE", "MEDIA_ENCODER_SEED", "build_image_stage", "run_image_stage_worker"]
 
 if TYPE_CHECKING:
     from kvflow.streams.catalog import TopicSpec
@@ -41,6 +41,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                  compiled: bool | None = None, kv_connector: Any = None, kv_host_gb: float = 0.0,
                  kv_disk_gb: float = 0.0, kv_disk_dir: str | None = None,
                  mocker_spec: tuple[int, float, float] = (0, 0.7, 0.0),
+                 mocker_output_interval_s: float = 0.0,
                  hf_spec_ngram_tokens: int = 0,
                  vllm_speculative_config: dict | None = None,
                  vllm_lora: tuple[int, int] = (0, 16)) -> tuple[Engine, str, str]:
@@ -62,6 +63,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
     (:func:`~kvflow.workers.engines.vllm_disagg.connector_for_role`); vllm only.
     ``mocker_spec``: the mocker's speculative decoding (draft tokens, acceptance
     rate, draft cost ratio; :class:`~kvflow.workers.engines.mocker_core.MockerConfig`);
+    ``mocker_output_interval_s``: the mocker's ``output_interval_s`` (0: it wakes every step);
     ``hf_spec_ngram_tokens``: the hf engine's prompt-lookup draft tokens (0 = off);
     ``vllm_speculative_config``: vLLM's ``speculative_config``, passed through;
     ``vllm_lora``: vLLM's ``(max_loras, max_lora_rank)`` (``max_loras`` 0: no LoRA).
@@ -89,7 +91,7 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
 
             spec = str(resolve_model(tokenizer).path)
         engine_obj = make_engine("mocker", config=MockerConfig(**kw), worker_id=worker_id, model_name=model,
-                                 tokenizer=spec)
+                                 tokenizer=spec, output_interval_s=mocker_output_interval_s)
         return engine_obj, model, spec
     if engine == "hf":
         from kvflow.models.resolve import resolve_model
@@ -122,6 +124,13 @@ def build_engine(engine: str, model: str, *, block_size: int | None = None, num_
                              kv_connector=kv_connector, **kw), resolved.name,
                 str(resolved.path))
     raise ValueError(f"engine {engine!r} is registered but has no worker options here")
+
+
+def mocker_output_interval_s(settings: Settings) -> float:
+    """The mocker's output interval in seconds: ``settings.mocker_output_interval_ms``,
+    or ``stream_flush_ms`` when that is None."""
+    ms = settings.mocker_output_interval_ms
+    return (settings.stream_flush_ms if ms is None else ms) / 1000.0
 
 
 async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
@@ -167,6 +176,7 @@ async def run_worker(settings: Settings, *, slot: int, engine: str, model: str,
                                                mocker_spec=(settings.mocker_spec_num_draft_tokens,
                                                             settings.mocker_spec_acceptance_rate,
                                                             settings.mocker_spec_draft_cost_ratio),
+                                               mocker_output_interval_s=mocker_output_interval_s(settings),
                                                hf_spec_ngram_tokens=settings.hf_spec_ngram_tokens,
                                                vllm_speculative_config=settings.vllm_speculative_config,
                                                vllm_lora=(settings.vllm_max_loras, settings.vllm_max_lora_rank),

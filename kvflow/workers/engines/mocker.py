@@ -14,6 +14,14 @@ decodes fetches, detokenizes and produces deltas on that loop) do not add
 to every step. A real engine's steps do not wait for the worker's loop
 either (vLLM's engine core runs in its own process).
 
+With ``output_interval_s`` > 0 (a worker passes its delta flush period) the
+engine instead wakes for first tokens, finishes, arrivals, aborts and ticks
+of that period, computing the steps in between when it wakes
+(:mod:`kvflow.workers.engines.mocker_delivery`): first tokens and finishes
+keep their times, other tokens reach the worker up to one interval late
+and merged, and the loop wakes about once per interval instead of once per
+step.
+
 Disaggregated serving: :meth:`MockerEngine.prefill` runs a request with
 ``max_tokens = 1`` and reports the KV size a real transfer would move
 (``ISL × kv_bytes_per_token``); no bytes exist. :meth:`MockerEngine.generate_from_kv`
@@ -49,6 +57,7 @@ from kvflow.workers.engines.base import (
     KvStats,
 )
 from kvflow.workers.engines.mocker_core import MockerConfig, MockerCore, StepResult, kv_transfer_time_ms
+from kvflow.workers.engines.mocker_delivery import StepDelivery
 from kvflow.workers.kv.handoff import KvHandoff, PrefillResult
 from kvflow.workers.kv.tiers import tier_metrics
 
@@ -112,6 +121,13 @@ class MockerEngine(Engine):
             for prompt lengths and output text in that model's tokens).
         sleep: awaited with each step's duration in seconds; None (the
             default) sleeps on the wall clock, steps paced by a :class:`StepClock`.
+        output_interval_s: with ``sleep`` None, > 0 wakes the engine for first
+            tokens, finishes, arrivals and ticks of this period only
+            (:class:`~kvflow.workers.engines.mocker_delivery.StepDelivery`);
+            0 (the default) delivers every step at its end.
+
+    Raises:
+        ValueError: ``output_interval_s`` < 0.
 
     ``tokenizer`` is the byte-level tokenizer from
     ``kvflow.models.tokenizer.load_tokenizer("bytes")``, or None when that
@@ -130,9 +146,14 @@ class MockerEngine(Engine):
         model_name: str = "mocker",
         sleep: Sleep | None = None,
         tokenizer: str = "bytes",
+        output_interval_s: float = 0.0,
     ) -> None:
+        if output_interval_s < 0:
+            raise ValueError(f"output_interval_s must be >= 0, got {output_interval_s}")
         self.config = config or MockerConfig()
         self.core = MockerCore(self.config, worker_id)
+        self._delivery = StepDelivery(self.core, output_interval_s) if output_interval_s > 0 and sleep is None \
+            else None
         self.block_size = self.config.block_size
         self.model_name = model_name
         if tokenizer == "bytes":
@@ -193,12 +214,15 @@ class MockerEngine(Engine):
     async def start(self) -> None:
         """Start the step loop (idempotent)."""
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._step_loop(), name="mocker-step-loop")
+            loop = self._step_loop() if self._delivery is None else self._delivery_loop(self._delivery)
+            self._task = asyncio.create_task(loop, name="mocker-step-loop")
 
     async def stop(self) -> None:
         """Stop the step loop; pending generations end with ``abort``."""
         await cancel_and_wait(self._task)
         self._task = None
+        if self._delivery is not None:
+            self._delivery.clear()
         for request_id in list(self._queues):
             self.core.abort(request_id)
             self._queues.pop(request_id).put_nowait(EngineOutput([], FinishReason.abort))
@@ -225,18 +249,38 @@ class MockerEngine(Engine):
                     await self._sleep(result.duration_ms / 1000.0)
             finally:
                 self._in_flight = None
-            for request_id, output in result.outputs.items():
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-                    if output.finish_reason is not None:
-                        del self._queues[request_id]
-            self.emit_kv_events(result.kv_events)
+            self._hand_over((result.outputs, result.kv_events))
+
+    def _hand_over(self, delivered: tuple[dict[str, EngineOutput], list[KvEvent]]) -> None:
+        """Put each output on its request's queue (dropped if the request is gone), then emit the KV events."""
+        outputs, events = delivered
+        for request_id, output in outputs.items():
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finish_reason is not None:
+                    del self._queues[request_id]
+        self.emit_kv_events(events)
 
     async def _idle(self) -> None:
         self._clock.idle()
         self._wake.clear()
         await self._wake.wait()
+
+    async def _delivery_loop(self, delivery: StepDelivery) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._hand_over(delivery.advance(time.monotonic()))
+            wake_at = delivery.next_wake()
+            self._wake.clear()
+            timer = None
+            if wake_at is not None:  # from the clock now: handing over takes a while
+                timer = loop.call_later(max(0.0, wake_at - time.monotonic()), self._wake.set)
+            try:
+                await self._wake.wait()  # the timer, or a request entering or leaving
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     # ---- requests ------------------------------------------------------
 
@@ -316,7 +360,10 @@ class MockerEngine(Engine):
 
     async def _relay(self, request: GenerateRequest, *, kv_imported: bool) -> AsyncIterator[EngineOutput]:
         """Add ``request`` to the core and yield its outputs (token ids mapped to text ids)."""
-        self.core.add_request(request, kv_imported=kv_imported)
+        if self._delivery is None:
+            self.core.add_request(request, kv_imported=kv_imported)
+        else:
+            self._hand_over(self._delivery.add(request, time.monotonic(), kv_imported=kv_imported))
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wake.set()
@@ -330,23 +377,39 @@ class MockerEngine(Engine):
                 yield output
         finally:
             if not finished:
-                self.core.abort(request.request_id)
                 self._queues.pop(request.request_id, None)
+                self._abort_in_core(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop ``request_id``; its iterator ends with an ``abort`` output."""
-        self.core.abort(request_id)
         queue = self._queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(EngineOutput([], FinishReason.abort))
+        self._abort_in_core(request_id)
         self._wake.set()
+
+    def _abort_in_core(self, request_id: str) -> None:
+        if self._delivery is None:
+            self.core.abort(request_id)
+        else:  # catches up first; held outputs of request_id are dropped (its queue is gone)
+            self._hand_over(self._delivery.abort(request_id, time.monotonic()))
 
     def kv_stats(self) -> KvStats:
         """KV usage and queue lengths from the core; prefill work counts the step in flight."""
+        if self._delivery is not None:
+            now = time.monotonic()
+            self._hand_over(self._delivery.advance(now))
+            return self.core.stats(self._delivery.in_flight(now))
         return self.core.stats(self._in_flight)
 
     def dump_kv_events(self) -> list[KvEvent]:
-        """``BlockStored`` events for every cached block, every tier (for a KV resync)."""
+        """``BlockStored`` events for every cached block, every tier (for a KV resync).
+
+        With ``output_interval_s``, steps computed but not delivered yet emit
+        their KV events first, so none follows the snapshot that covers it."""
+        if self._delivery is not None:
+            self._hand_over(self._delivery.advance(time.monotonic()))
+            self.emit_kv_events(self._delivery.take_held_events())
         return self.core.dump_kv_events()
 
     def kv_tier_metrics(self) -> KvTierMetrics | None:
@@ -368,7 +431,7 @@ class MockerEngine(Engine):
         a step is being slept through (its KV events are not emitted yet)."""
         if self.core.has_work():
             return f"{len(self._queues) or 'some'} request(s) hold KV blocks"
-        if self._in_flight is not None:
+        if self._in_flight is not None or (self._delivery is not None and self._delivery.holding):
             return "a step is running"
         return None
 

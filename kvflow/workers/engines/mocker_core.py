@@ -110,7 +110,7 @@ from kvflow.workers.kv.blocks import BlockPool, NoFreeBlocks
 from kvflow.workers.kv.tiers import OffloadedBlock, TierConfig, TieredStore
 
 __all__ = ["MockerConfig", "StepResult", "MockerCore", "prefill_time_ms", "decode_time_ms", "kv_transfer_time_ms",
-           "kv_onboard_time_ms"]
+           "kv_onboard_time_ms", "min_step_ms"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
@@ -257,6 +257,32 @@ def decode_time_ms(config: MockerConfig, usage: float) -> float:
     u = min(max(usage, 0.0), 1.0)
     a, b, c = config.decode_coeffs
     return max(1.0, a * u * u + b * u + c)
+
+
+def _least_on(coeffs: tuple, lo: float, hi: float) -> float:
+    """Least value of ``a·x² + b·x + c`` for ``x`` in ``[lo, hi]`` (``hi`` may be ``inf``)."""
+    a, b, c = coeffs
+    points = [lo] + ([hi] if hi != float("inf") else [])
+    if a > 0 and lo < -b / (2 * a) < hi:
+        points.append(-b / (2 * a))
+    if hi == float("inf") and (a < 0 or (a == 0 and b < 0)):
+        return float("-inf")
+    return min(a * x * x + b * x + c for x in points)
+
+
+def min_step_ms(config: MockerConfig) -> float:
+    """Least simulated duration (ms, after speedup) of a step that computes anything.
+
+    A step that samples a token costs at least the least of
+    :func:`decode_time_ms` over KV usage in [0, 1]; one that only prefills
+    costs at least the least of :func:`prefill_time_ms` over one token or
+    more. The smaller of the two, 0 when the coefficients allow a free step.
+    The live engine uses it to bound when a step it has not computed yet can
+    end (:meth:`MockerCore.quiet_steps`).
+    """
+    decode = max(1.0, _least_on(config.decode_coeffs, 0.0, 1.0))
+    prefill = max(0.0, _least_on(config.prefill_coeffs, 1.0, float("inf")))
+    return min(decode, prefill) / config.speedup_ratio
 
 
 def kv_transfer_time_ms(config: MockerConfig, num_tokens: int) -> float:
@@ -475,6 +501,38 @@ class MockerCore:
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self._seqs)
+
+    def quiet_steps(self) -> int:
+        """How many of the next steps certainly emit no first token and finish
+        no request, if no request is added or aborted meanwhile (0: the next
+        step may).
+
+        A lower bound from each request's state: a prompt (or a preempted
+        request's recompute) needs at least ``ceil(left / max_num_batched_tokens)``
+        steps before it samples; a request in decode samples at most
+        ``1 + spec_num_draft_tokens`` tokens a step, so it finishes no sooner
+        than ``ceil((max_tokens - generated) / (1 + k))`` steps from now. A
+        waiting request may be admitted with a short uncached remainder and
+        sample in the next step, so any waiting request makes it 0.
+        Preemption only delays a request, so it cannot break the bound.
+        O(running requests).
+        """
+        if self._waiting:
+            return 0
+        budget = self.config.max_num_batched_tokens
+        per_step = 1 + self.config.spec_num_draft_tokens
+        quiet = None
+        for seq in self._running:
+            left = len(seq.tokens) - seq.num_computed
+            to_finish = seq.max_tokens - seq.num_generated
+            if seq.num_generated == 0 or left > 1:  # a prompt or a recompute: no token until it is computed
+                until_token = -(-left // budget)
+                steps = until_token if seq.num_generated == 0 else until_token + -(-(to_finish - 1) // per_step)
+            else:
+                steps = -(-to_finish // per_step)
+            if quiet is None or steps - 1 < quiet:
+                quiet = max(0, steps - 1)
+        return quiet if quiet is not None else 0
 
     # ---- the step --------------------------------------------------------
 
