@@ -1,6 +1,10 @@
 """The Faust router against the real embedded broker: routing table and routing."""
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from deployment import wait_router_ready
@@ -263,3 +267,16 @@ async def test_pool_grid_routes_long_prompts_to_the_long_context_pool(kafka, wai
     finally:
         await producer.stop()
         await r.app.stop()
+
+
+def test_a_router_apps_faust_directory_goes_with_its_process(tmp_path):
+    code = ("from kvflow.settings import Settings; from kvflow.router.app import build_router_app; "
+            "apps = [build_router_app(Settings(bootstrap_servers='127.0.0.1:1')) for _ in range(2)]; "
+            "import os; assert all(os.path.isdir(a.app.conf.datadir) for a in apps); "
+            "print(*(a.app.conf.datadir for a in apps))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    dirs = [Path(p) for p in out.stdout.split()]
+    assert len(dirs) == 2 and all(p.parent == tmp_path and p.name.startswith("kvflow-router-") for p in dirs)
+    assert not any(p.exists() for p in dirs)

@@ -76,9 +76,11 @@ record it sends carries that span's context on to the worker
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import logging
+import shutil
 import tempfile
 import uuid
 from collections import OrderedDict
@@ -134,7 +136,7 @@ from kvflow.streams.tansu_compat import patch_faust_fetch_wait
 from kvflow.streams.tracing import extract_context, inject_headers, tracer
 from kvflow.streams.workers import liveness_wait
 
-__all__ = ["RouterApp", "build_router_app"]
+__all__ = ["RouterApp", "build_router_app", "faust_data_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,22 @@ class RouterApp:
         return self.core.counters
 
 
+def faust_data_dir() -> str:
+    """A new directory for one router app's Faust data, removed when this process exits.
+
+    Faust creates its table directories under ``datadir`` even with memory
+    storage, and the default lies in the working directory; every router app
+    built (a test session builds hundreds) left an empty tree in the temp
+    directory before it was removed at exit.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    path = tempfile.mkdtemp(prefix="kvflow-router-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def build_router_app(settings: Settings, catalog: Catalog | None = None, *, policy: str | None = None,
                      router_id: str | None = None, app_id: str | None = None) -> RouterApp:
     """Build (not start) the router Faust app.
@@ -231,7 +249,7 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
         app_id or f"{settings.namespace}-router",
         broker=f"kafka://{bootstrap(settings)}",
         store="memory://",
-        datadir=tempfile.mkdtemp(prefix="kvflow-router-"),  # Faust writes here; keep it out of the cwd
+        datadir=faust_data_dir(),
         web_enabled=False,
         Monitor=QuietMonitor,  # no rates are read: no sampler waking every second
         autodiscover=False,
