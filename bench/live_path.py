@@ -9,7 +9,9 @@ processes) as a child process group, then:
 2. load: the first ``--requests`` of a Mooncake trace replayed with AIPerf
    (fixed schedule, streaming chat, server token counts: the same command the
    Dynamo comparison uses), measuring answered requests, TTFT/ITL and CPU
-   seconds per process group per 1,000 output tokens;
+   seconds per process group per 1,000 output tokens (and, within
+   ``bridge_router``, the bridge's tokenize children's:
+   ``tokenize_cpu_s_per_1k_output_tokens``);
 3. stages: read back from the topics, per request, where the time before the
    first token went: bridge → router (``routing.decided_ms − created_ms``),
    router → worker (``queued_ms − decided_ms``), worker queue
@@ -98,6 +100,22 @@ def cpu_seconds(up: psutil.Process) -> dict[str, float]:
                 pass
         out[name] = total
     return out
+
+
+def tokenizer_cpu_seconds(up: psutil.Process) -> float:
+    """User + system CPU seconds so far of the bridge's tokenize pool children
+    (a part of ``bridge_router`` in :func:`groups`): the share of the
+    bridge's CPU that tokenizing prompts takes, which Dynamo's frontend pays
+    too."""
+    total = 0.0
+    for p in groups(up)["bridge_router"][1:]:
+        try:
+            if "tokenize_worker" in " ".join(p.cmdline()):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def wakeups(up: psutil.Process) -> dict[str, int] | None:
@@ -362,7 +380,7 @@ def main() -> None:
 
         if args.requests > 0:
             spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
-            c0 = cpu_seconds(up_proc)
+            c0, tok0 = cpu_seconds(up_proc), tokenizer_cpu_seconds(up_proc)
             t0 = time.monotonic()
             cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
                    "--artifact-dir", str(work / "aiperf")]
@@ -385,6 +403,7 @@ def main() -> None:
             load_s = time.monotonic() - t0
             result["cpu_s_per_1k_output_tokens_by_window"] = windows
             load = delta(c0, cpu_seconds(up_proc))
+            tokenize_s = tokenizer_cpu_seconds(up_proc) - tok0
             for spy in spies:
                 spy.wait(timeout=args.py_spy_s + 60)
             export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
@@ -399,6 +418,7 @@ def main() -> None:
                 "cpu_s_per_1k_output_tokens": {k: round(1000 * v / out_tokens, 3) for k, v in load.items()},
             })
             result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
+            result["tokenize_cpu_s_per_1k_output_tokens"] = round(1000 * tokenize_s / out_tokens, 3)  # within bridge_router
             result["bridge_ttft_ms"] = histogram_ms(url)
             result["bridge_prepare_ms"] = histogram_ms(url, "kvflow_bridge_prepare_seconds")
             chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")
