@@ -11,7 +11,8 @@ processes) as a child process group, then:
    Dynamo comparison uses), measuring answered requests, TTFT/ITL and CPU
    seconds per process group per 1,000 output tokens (and, within
    ``bridge_router``, the bridge's tokenize children's:
-   ``tokenize_cpu_s_per_1k_output_tokens``);
+   ``tokenize_cpu_s_per_1k_output_tokens``), and their wake-ups per 1,000
+   output tokens (``wakeups_per_1k_output_tokens``);
 3. stages: read back from the topics, per request, where the time before the
    first token went: bridge → router (``routing.decided_ms − created_ms``),
    router → worker (``queued_ms − decided_ms``), worker queue
@@ -380,7 +381,7 @@ def main() -> None:
 
         if args.requests > 0:
             spies = py_spy(procs, args.py_spy_dir, args.py_spy_s) if args.py_spy_dir else []
-            c0, tok0 = cpu_seconds(up_proc), tokenizer_cpu_seconds(up_proc)
+            c0, tok0, lw0 = cpu_seconds(up_proc), tokenizer_cpu_seconds(up_proc), wakeups(up_proc)
             t0 = time.monotonic()
             cmd = [kvflow, "aiperf", str(args.trace), "--limit", str(args.requests), "--url", url,
                    "--artifact-dir", str(work / "aiperf")]
@@ -403,7 +404,7 @@ def main() -> None:
             load_s = time.monotonic() - t0
             result["cpu_s_per_1k_output_tokens_by_window"] = windows
             load = delta(c0, cpu_seconds(up_proc))
-            tokenize_s = tokenizer_cpu_seconds(up_proc) - tok0
+            tokenize_s, lw1 = tokenizer_cpu_seconds(up_proc) - tok0, wakeups(up_proc)
             for spy in spies:
                 spy.wait(timeout=args.py_spy_s + 60)
             export = json.loads((work / "aiperf" / "profile_export_aiperf.json").read_text())
@@ -419,6 +420,9 @@ def main() -> None:
             })
             result["cpu_s_per_1k_output_tokens"]["total"] = round(sum(result["cpu_s_per_1k_output_tokens"].values()), 3)
             result["tokenize_cpu_s_per_1k_output_tokens"] = round(1000 * tokenize_s / out_tokens, 3)  # within bridge_router
+            if lw0 is not None and lw1 is not None:  # steadier than CPU seconds on a noisy host
+                result["wakeups_per_1k_output_tokens"] = {k: round(1000 * (lw1[k] - lw0.get(k, 0)) / out_tokens, 1)
+                                                          for k in lw1}
             result["bridge_ttft_ms"] = histogram_ms(url)
             result["bridge_prepare_ms"] = histogram_ms(url, "kvflow_bridge_prepare_seconds")
             chars = counter_totals(url, "kvflow_bridge_tokenize_chars", "source")

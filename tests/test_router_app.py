@@ -280,3 +280,34 @@ def test_a_router_apps_faust_directory_goes_with_its_process(tmp_path):
     dirs = [Path(p) for p in out.stdout.split()]
     assert len(dirs) == 2 and all(p.parent == tmp_path and p.name.startswith("kvflow-router-") for p in dirs)
     assert not any(p.exists() for p in dirs)
+
+
+async def test_the_request_reader_parks_when_quiet_and_a_ring_cuts_its_poll(kafka, waiter):
+    """Every bridge and KvflowClient rings the router with its requests, so once they
+    stop, the router's request consumer parks in its idle poll at once (30 s here)
+    instead of stepping its wait up; a request sent as KvflowClient sends it (record,
+    then ``produced``) is routed long before that poll would end."""
+    from kvflow.streams import fetch_wait
+
+    settings, catalog = kafka
+    settings = settings.model_copy(update={"fetch_idle_wait_ms": 30_000, "fetch_rung_idle_wait_ms": 30_000})
+    r = build_router_app(settings, catalog, policy="round_robin")
+    await r.app.start()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        await wait_router_ready(settings, catalog, producer)
+        [policy] = [p for p in list(fetch_wait._local.values()) if p.hot is not None and p.hot(catalog.requests.name)]
+        assert policy.rung and policy.idle_ms == 30_000
+        await producer.send_and_wait(catalog.workers.name, encode(heartbeat(catalog, "w", 4)), key=b"w")
+        await waiter(lambda: "w" in r.table.workers)
+        await waiter(lambda: policy.sent_ms == 30_000, timeout_s=20)  # parked in a 30 s poll
+        req = InferenceRequest(request_id="after-quiet", model="m", prompt="x",
+                               reply_to=ReplyTo(topic=catalog.responses.name, partition=0))
+        await producer.send_and_wait(catalog.requests.name, encode(req), key=b"after-quiet")
+        fetch_wait.produced(catalog.requests.name)
+        [routed] = await read_partition(settings, catalog.queue(WorkerRole.aggregated).name, 4, 1, timeout_s=20)
+        assert decode(InferenceRequest, routed.value).request_id == "after-quiet"
+    finally:
+        await producer.stop()
+        await r.app.stop()

@@ -242,8 +242,13 @@ def build_router_app(settings: Settings, catalog: Catalog | None = None, *, poli
     core.counters.update(dict.fromkeys(ADAPTER_COUNTERS, 0))
     if settings.embedded_broker:
         hot = {catalog.requests.name}  # only requests make the router's consumer poll fast
+        # Bridges and KvflowClient ring the router with every request (fetch_wait.produced), so
+        # its consumer parks once the requests stop instead of stepping its wait up over seconds
+        # (docs/benchmarks.md, "The router's request reader parks"); a producer that does not
+        # ring waits at most the plain idle wait, not the longer one of rung consumers.
         patch_faust_fetch_wait(settings.fetch_max_wait_ms,
-                               functools.partial(fetch_wait_policy, settings, hot.__contains__))
+                               functools.partial(fetch_wait_policy, settings, hot.__contains__, rung=True,
+                                                 idle_ms=settings.fetch_idle_wait_ms))
 
     app = faust.App(
         app_id or f"{settings.namespace}-router",
