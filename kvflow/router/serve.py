@@ -27,6 +27,7 @@ from kvflow.router.app import RouterApp, build_router_app
 from kvflow.schemas import InferenceRequest, encode
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
+from kvflow.streams.fetch_wait import produced
 from kvflow.streams.kafka import create_topics, make_producer
 
 __all__ = ["hand_back_held", "serve_router"]
@@ -55,6 +56,7 @@ async def hand_back_held(router: RouterApp) -> int:
                                          key=request.request_id.encode())
     finally:
         await producer.stop()
+    produced(router.catalog.requests.name)  # the other replicas' request readers may be parked
     log.info("router %s handed %d held request(s) back to the requests topic", router.router_id, len(held))
     return len(held)
 
