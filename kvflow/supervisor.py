@@ -218,7 +218,8 @@ class Supervisor:
             try:
                 await asyncio.wait_for(child.process.wait(), timeout_s)
             except asyncio.TimeoutError:
-                child.process.kill()
+                with contextlib.suppress(ProcessLookupError):  # it exited as the wait ran out
+                    child.process.kill()
                 await child.process.wait()
         finally:
             self._draining.pop(worker_id, None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
 from kvflow.streams.bridge import tokenize_worker
-from kvflow.streams.bridge.tokenize_pool import TokenizePool, job_chars, pooled
+from kvflow.streams.bridge.tokenize_pool import TokenizePool, _Child, job_chars, pooled
 from kvflow.streams.bridge.tokenizers import TokenizerCache, encode_chat, encode_prompt
 
 SPEC = "SmolLM2-135M-Instruct"
@@ -138,6 +139,19 @@ async def test_a_template_error_reaches_the_caller_as_a_template_error(monkeypat
     with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
         await pool.encode_chat(SPEC, [ChatMessage(role="user", content="x")], Rejecting())
     assert pool.fallbacks == 0
+
+
+async def test_close_passes_over_a_child_that_exited_as_its_wait_ran_out():
+    """A child that ends just as ``close``'s wait runs out is already reaped when
+    ``close`` kills it: seen on a loaded host as ProcessLookupError out of close."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass", stdin=asyncio.subprocess.PIPE)
+    await proc.wait()
+    with pytest.raises(ProcessLookupError):
+        proc.kill()  # what close did, unguarded
+    pool = TokenizePool(1)
+    pool._children.append(_Child(proc))
+    await pool.close(timeout_s=0)  # the wait "runs out" at once; the kill finds no process
+    assert pool.pids() == [] and proc.returncode == 0
 
 
 async def test_warm_starts_every_child(local):

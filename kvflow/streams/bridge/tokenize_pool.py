@@ -237,7 +237,9 @@ class TokenizePool:
         return ids.tolist()
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the children: end their stdin, wait ``timeout_s``, then kill."""
+        """Stop the children: end their stdin, wait ``timeout_s`` for each, then kill it.
+
+        Never raises for a child that has already exited."""
         if self._starting is not None and not self._starting.done():
             with contextlib.suppress(Exception):
                 await self._starting
@@ -249,7 +251,8 @@ class TokenizePool:
             try:
                 await asyncio.wait_for(child.proc.wait(), timeout_s)
             except asyncio.TimeoutError:
-                child.proc.kill()
+                with contextlib.suppress(ProcessLookupError):  # it exited as the wait ran out
+                    child.proc.kill()
                 await child.proc.wait()
             if child.reader is not None:
                 await child.reader
