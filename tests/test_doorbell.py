@@ -88,6 +88,47 @@ async def test_entries_of_dead_processes_are_pruned(bootstrap):
     assert not stale.exists()
 
 
+async def test_a_ringer_reads_its_peers_again_only_when_the_directory_changes(bootstrap, monkeypatch):
+    doorbell.open_doorbell(bootstrap, lambda *_: None)
+    directory = doorbell.directory_for(bootstrap)
+    scans = []
+    real_peers = doorbell._peers
+    monkeypatch.setattr(doorbell, "_peers", lambda d, me: scans.append(d) or real_peers(d, me))
+    past = time.time_ns() - 10**9  # the directory settled a second ago
+    os.utime(directory, ns=(past, past))
+    t = time.monotonic()
+    assert doorbell.ring("q", 0, now=t) == 0  # no peer yet: a scan
+    assert doorbell.ring("q", 1, now=t + 0.01) == 0  # unchanged: the list is reused
+    assert len(scans) == 1
+    peer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import asyncio, sys
+        from kvflow.streams import doorbell
+        async def main():
+            doorbell.open_doorbell(sys.argv[1], lambda *_: None)
+            print("ready", flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """), bootstrap], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        assert doorbell.ring("q", 2, now=t + 0.02) == 1  # the peer's entry changed it: read again, rung
+        assert len(scans) == 2
+        os.utime(directory, ns=(past, past))
+        assert doorbell.ring("q", 3, now=t + 0.03) == 1
+        assert doorbell.ring("q", 4, now=t + 0.04) == 1 and len(scans) == 3  # settled: reused
+        assert doorbell.ring("q", 5, now=t + 0.04 + doorbell.PEERS_MAX_AGE_S) == 1  # too old: read again
+        assert len(scans) == 4
+        # A directory changed just before the scan (here: stamped later than it) may change again
+        # within the same coarse timestamp tick, so such a scan is not reused.
+        future = time.time_ns() + 10**10
+        os.utime(directory, ns=(future, future))
+        assert doorbell.ring("q", 6, now=t + 20) == 1 and doorbell.ring("q", 7, now=t + 20.01) == 1
+        assert len(scans) == 6
+    finally:
+        peer.kill()
+        peer.wait()
+
+
 async def test_without_a_doorbell_ring_sends_nothing():
     doorbell.close_doorbell()
     assert doorbell.ring("q", 0) == 0

@@ -10,6 +10,8 @@ its port in a directory named after the broker's address; a producer that
 has just written to a topic "rings" every listed process with the topic and
 partition, and each process wakes its own consumers of that partition.
 
+A ringer keeps its list of peers until the directory changes (one ``stat``
+per ring instead of a listing and a read per peer; ``bench/doorbell_ring.py``).
 The ring carries no data (the record itself is only ever read from Kafka);
 a lost datagram costs at most one idle wait, as without this module. Rings
 for one partition are sent at most once per ``RING_GAP_S``: a woken consumer
@@ -60,6 +62,8 @@ class _Doorbell:
     on_ring: Callable[[str, int | None], None]
     dirs: set[Path] = field(default_factory=set)
     last_ring: dict[tuple[str, int | None], float] = field(default_factory=dict)
+    peers: dict[Path, tuple[int, float, list[int]]] = field(default_factory=dict)
+    """Per directory: (its mtime in ns, monotonic time of the scan, the peers' ports)."""
 
     def receive(self) -> None:
         while True:
@@ -133,6 +137,38 @@ def close_doorbell() -> None:
         _bell = None
 
 
+PEERS_MAX_AGE_S = 10.0
+"""Longest a ringer reuses its list of a directory's peers, seconds. The list
+is read again sooner when the directory changes (a process opened or closed
+its doorbell); this bound only prunes the entries of processes that were
+killed, which the directory does not show."""
+
+_SETTLED_NS = 50_000_000
+"""A directory changed less than this before a scan (ns) is scanned again at
+the next ring: its mtime may not have moved for a change in the same clock
+tick (file timestamps advance in coarse ticks of a few ms)."""
+
+
+def _cached_peers(bell: _Doorbell, directory: Path, me: int, now: float) -> list[int]:
+    """The peers' ports in ``directory``: read again only when it has changed
+    since the last scan, or that scan is older than :data:`PEERS_MAX_AGE_S`
+    (a ring then costs one ``stat`` instead of a scan and a read per peer)."""
+    try:
+        mtime = os.stat(directory).st_mtime_ns
+    except OSError:
+        return []
+    cached = bell.peers.get(directory)
+    if cached is not None and cached[0] == mtime and now - cached[1] < PEERS_MAX_AGE_S:
+        return cached[2]
+    scanned_wall_ns = time.time_ns()
+    ports = _peers(directory, me)
+    if scanned_wall_ns - mtime >= _SETTLED_NS:
+        bell.peers[directory] = (mtime, now, ports)
+    else:
+        bell.peers.pop(directory, None)
+    return ports
+
+
 def _peers(directory: Path, me: int) -> list[int]:
     ports = []
     with contextlib.suppress(OSError):
@@ -170,7 +206,7 @@ def ring(topic: str, partition: int | None = None, now: float | None = None) -> 
     sent = 0
     me = os.getpid()
     for directory in bell.dirs:
-        for port in _peers(directory, me):
+        for port in _cached_peers(bell, directory, me, now):
             with contextlib.suppress(OSError):
                 bell.sock.sendto(payload, ("127.0.0.1", port))
                 sent += 1
