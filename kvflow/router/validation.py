@@ -30,7 +30,7 @@ from kvflow.schemas import RecordError
 from kvflow.settings import Settings
 from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer
 
-__all__ = ["VALIDATE_PACE_S", "validate_paced"]
+__all__ = ["VALIDATE_PACE_S", "VALIDATE_SESSION_FACTOR", "validate_paced"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ VALIDATE_PACE_S = 1.0
 malformed record reaches the dead-letter topic at most about this late, and
 the reader costs the broker about one fetch per this many seconds under load
 instead of one per record arrival."""
+
+VALIDATE_SESSION_FACTOR = 5
+"""The validators' consumer group runs with a session timeout this many times
+``session_timeout_ms`` (30 s at the defaults), heartbeating every third of it,
+and commits its offsets as seldom (kvflow's choice). Nothing waits on this
+reader, so a replica that dies may leave its partitions unchecked that much
+longer; in exchange an idle router sends the broker one group heartbeat
+every 10 s instead of every 2 s (docs/benchmarks.md, "Idle broker requests")."""
 
 Check = Callable[[bytes], object]
 WriteLetter = Callable[[ConsumerRecord, str], Awaitable[None]]
@@ -67,7 +75,10 @@ async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Ch
         raise ValueError("nothing to validate")
     if pace_s < 0:
         raise ValueError(f"pace_s must be >= 0, got {pace_s}")
-    consumer = make_consumer(settings, *checks, group_id=group_id, auto_offset_reset="earliest")
+    session_ms = VALIDATE_SESSION_FACTOR * settings.session_timeout_ms
+    consumer = make_consumer(settings, *checks, group_id=group_id, auto_offset_reset="earliest",
+                             session_timeout_ms=session_ms, heartbeat_interval_ms=max(100, session_ms // 3),
+                             auto_commit_interval_ms=max(100, session_ms // 3))
     await consumer.start()
     if consumers is not None:
         consumers.append(consumer)
