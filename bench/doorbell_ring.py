@@ -4,7 +4,7 @@ A ring (:func:`kvflow.streams.doorbell.ring`) sends one UDP datagram to every
 other ringable process of the host. It used to list the doorbell directory
 and read every peer's port file on each ring; it now reuses that list until
 the directory changes. This bench opens a doorbell, starts ``--peers``
-ringable processes (a ``kvflow up --workers 4`` deployment has the bridge and
+ringable processes (``python -m kvflow.streams.doorbell``) (a ``kvflow up --workers 4`` deployment has the bridge and
 router process and four workers), and times rings both ways in alternating
 rounds in one process: ``cached`` as shipped, and ``scan`` with
 ``PEERS_MAX_AGE_S = 0`` (the list is read on every ring, as before). Each
@@ -21,24 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
-import textwrap
+import tempfile
 import time
 import uuid
 
 from kvflow.streams import doorbell
-
-PEER = textwrap.dedent("""
-    import asyncio, sys
-    from kvflow.streams import doorbell
-    async def main():
-        doorbell.open_doorbell(sys.argv[1], lambda *_: None)
-        print("ready", flush=True)
-        await asyncio.sleep(3600)
-    asyncio.run(main())
-""")
 
 
 def time_rings(n: int, start: int) -> float:
@@ -58,11 +49,16 @@ async def main() -> None:
 
     bootstrap = f"bench-{uuid.uuid4().hex[:8]}:1"
     doorbell.open_doorbell(bootstrap, lambda *_: None)
-    peers = [subprocess.Popen([sys.executable, "-c", PEER, bootstrap], stdout=subprocess.PIPE, text=True)
-             for _ in range(args.peers)]
+    # Each peer prints every ring it gets: into a file, so a peer never blocks on a full pipe.
+    outs = [tempfile.TemporaryFile() for _ in range(args.peers)]
+    peers = [subprocess.Popen([sys.executable, "-m", "kvflow.streams.doorbell", bootstrap], stdout=out)
+             for out in outs]
     try:
-        for p in peers:
-            assert p.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        while not all(os.pread(out.fileno(), 6, 0) == b"ready\n" for out in outs):
+            if time.monotonic() > deadline:
+                sys.exit("the peers did not open their doorbells within 120 s")
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)  # let the directory settle (a scan within 50 ms of a change is not reused)
         sent = doorbell.ring("bench-check", 0)
         if sent != args.peers:
@@ -80,6 +76,8 @@ async def main() -> None:
         for p in peers:
             p.kill()
             p.wait()
+        for out in outs:
+            out.close()
         doorbell.close_doorbell()
     cached = statistics.median(per_ring["cached"]) * 1e6
     scan = statistics.median(per_ring["scan"]) * 1e6

@@ -37,6 +37,13 @@ RINGER = textwrap.dedent("""
 """)
 
 
+def start_peer(bootstrap: str) -> subprocess.Popen:
+    """A ringable process for ``bootstrap`` (its stdout says "ready" once it is listed, then
+    prints each ring it receives)."""
+    return subprocess.Popen([sys.executable, "-m", "kvflow.streams.doorbell", bootstrap], stdout=subprocess.PIPE,
+                            text=True)
+
+
 @pytest.fixture
 def bootstrap():
     doorbell.close_doorbell()  # one per process: an earlier test's may still be open, with its own callback
@@ -58,15 +65,7 @@ async def test_a_ring_from_another_process_reaches_this_one(bootstrap):
 
 async def test_rings_of_one_partition_are_spaced(bootstrap):
     doorbell.open_doorbell(bootstrap, lambda *_: None)
-    peer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import asyncio, sys
-        from kvflow.streams import doorbell
-        async def main():
-            doorbell.open_doorbell(sys.argv[1], lambda *_: None)
-            print("ready", flush=True)
-            await asyncio.sleep(600)
-        asyncio.run(main())
-    """), bootstrap], stdout=subprocess.PIPE, text=True)
+    peer = start_peer(bootstrap)
     try:
         assert peer.stdout.readline().strip() == "ready"
         t = time.monotonic()
@@ -100,19 +99,12 @@ async def test_a_ringer_reads_its_peers_again_only_when_the_directory_changes(bo
     assert doorbell.ring("q", 0, now=t) == 0  # no peer yet: a scan
     assert doorbell.ring("q", 1, now=t + 0.01) == 0  # unchanged: the list is reused
     assert len(scans) == 1
-    peer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import asyncio, sys
-        from kvflow.streams import doorbell
-        async def main():
-            doorbell.open_doorbell(sys.argv[1], lambda *_: None)
-            print("ready", flush=True)
-            await asyncio.sleep(600)
-        asyncio.run(main())
-    """), bootstrap], stdout=subprocess.PIPE, text=True)
+    peer = start_peer(bootstrap)
     try:
         assert peer.stdout.readline().strip() == "ready"
         assert doorbell.ring("q", 2, now=t + 0.02) == 1  # the peer's entry changed it: read again, rung
         assert len(scans) == 2
+        assert (await asyncio.wait_for(asyncio.to_thread(peer.stdout.readline), 30)).split() == ["q", "2"]
         os.utime(directory, ns=(past, past))
         assert doorbell.ring("q", 3, now=t + 0.03) == 1
         assert doorbell.ring("q", 4, now=t + 0.04) == 1 and len(scans) == 3  # settled: reused

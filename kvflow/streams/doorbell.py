@@ -211,3 +211,21 @@ def ring(topic: str, partition: int | None = None, now: float | None = None) -> 
                 bell.sock.sendto(payload, ("127.0.0.1", port))
                 sent += 1
     return sent
+
+
+async def _listen(bootstrap: str) -> None:
+    """Print ``ready``, then each ring received as ``topic partition``, until killed."""
+    def show(topic: str, partition: int | None) -> None:
+        print(topic, "" if partition is None else partition, flush=True)
+
+    open_doorbell(bootstrap, show)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # python -m kvflow.streams.doorbell HOST:PORT: watch the rings of one broker's host
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kvflow.streams.doorbell BOOTSTRAP (e.g. 127.0.0.1:9092)")
+    asyncio.run(_listen(sys.argv[1]))
