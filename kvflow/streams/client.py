@@ -95,11 +95,11 @@ from kvflow.streams.catalog import Catalog
 from kvflow.streams.deadlines import deadline_ms, default_timeout_s
 from kvflow.streams.fetch_wait import produced, wake
 from kvflow.streams.follow import MIGRATABLE, Emit, Follower, Resubmit, StreamCursor
-from kvflow.streams.kafka import DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, DeadLetterWriter, adapt_fetch_wait, make_consumer, make_producer
 from kvflow.streams.resume import StreamNotFound, Tick, read_request_records
 from kvflow.streams.tracing import inject_headers
 
-__all__ = ["KvflowClient", "ResponseStream", "RequestTimeout", "ReaderHealth", "STALL_S", "MIGRATABLE",
+__all__ = ["KvflowClient", "ResponseStream", "RequestTimeout", "ReaderHealth", "STALL_S", "BUSY_POLL_MS", "MIGRATABLE",
            "StreamCursor", "StreamNotFound", "CANCEL_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,12 @@ STALL_S = 10.0
 delivered for this long is restarted (seconds). A healthy reader behind by a
 few thousand records catches up in well under a second."""
 
+BUSY_POLL_MS = 1000
+"""``getmany`` timeout of the responses reader while streams are in flight
+(ms): it then notes its progress at least this often. With none in flight it
+waits up to :data:`~kvflow.streams.kafka.FOLLOW_POLL_MS` (records end the
+wait at once), so an idle client does not wake every second for nothing."""
+
 
 @dataclass(frozen=True)
 class ReaderHealth:
@@ -124,7 +130,9 @@ class ReaderHealth:
 
     ``lag`` is unread records on the slots read (high watermark − position, from
     the last fetch; 0 when unknown); ``since_progress_s`` the seconds since
-    the reader last delivered a record or found nothing to read;
+    the reader last delivered a record or found nothing to read (0 while it
+    waits with nothing to read; with unread records, counted from when the
+    client first saw them at the latest);
     ``restarts`` how often the supervisor replaced the reader.
     """
 
@@ -220,6 +228,8 @@ class KvflowClient:
         self._left_at: dict[int, float] = {}  # earlier slots still read -> when the client moved off them
         self._slots_used = {self.slot}  # every slot this client's requests named
         self._progress = time.monotonic()  # last delivery, or last fetch that found the slots read to their end
+        self._waiting = False  # the reader is in a getmany
+        self._behind_since: float | None = None  # when unread records were first seen with no delivery since
         self.rotate_records = settings.response_slot_rotate_records if settings.embedded_broker else 0
         self._rotate_at = self.rotate_records  # the current slot's size at which to look for a move
         self.rotations = 0  # slot moves (see the module doc)
@@ -277,10 +287,23 @@ class KvflowClient:
     def health(self) -> ReaderHealth:
         """Whether the responses reader is alive and keeping up (see :class:`ReaderHealth`)."""
         lag = self._lag()
-        since = time.monotonic() - self._progress
+        since = self._since_progress(lag, time.monotonic())
         alive = self._reader is not None and not self._reader.done()
         return ReaderHealth(ok=alive and not (lag > 0 and since > STALL_S), lag=lag, since_progress_s=since,
                             restarts=self.reader_restarts)
+
+    def _since_progress(self, lag: int, now: float) -> float:
+        """Seconds without progress: 0 while the reader waits with nothing to read;
+        with ``lag`` unread records, since the last delivery or since unread
+        records were first seen here, whichever is later. An idle reader parks in
+        long waits, so its last progress can be old when a record lands; counting
+        from the sighting keeps that first record from looking like a stall."""
+        if lag == 0:
+            self._behind_since = None
+            return 0.0 if self._waiting else now - self._progress
+        if self._behind_since is None:
+            self._behind_since = now
+        return now - max(self._progress, self._behind_since)
 
     def _lag(self) -> int:
         lag = 0
@@ -307,7 +330,8 @@ class KvflowClient:
                 while not reader.done():
                     # With no stream waiting, a stall can wait to be noticed: look 10x less often.
                     await asyncio.wait({reader}, timeout=1.0 if self._pending else STALL_S)
-                    if not reader.done() and self._lag() > 0 and time.monotonic() - self._progress > STALL_S:
+                    lag = self._lag()
+                    if not reader.done() and lag > 0 and self._since_progress(lag, time.monotonic()) > STALL_S:
                         log.error("responses reader of slots %s stalled %d records behind at offsets %s; restarting",
                                   list(self._next_offset), self._lag(), self._next_offset)
                         reader.cancel()
@@ -333,7 +357,11 @@ class KvflowClient:
 
     async def _read_responses(self) -> None:
         while True:
-            batches = await self._consumer.getmany(timeout_ms=1000)
+            self._waiting = True
+            try:
+                batches = await self._consumer.getmany(timeout_ms=BUSY_POLL_MS if self._pending else FOLLOW_POLL_MS)
+            finally:
+                self._waiting = False
             if not batches and self._lag() == 0:
                 self._progress = time.monotonic()
             for tp, records in batches.items():
