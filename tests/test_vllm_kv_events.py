@@ -27,7 +27,9 @@ Payloads are built here the way vLLM's publisher lays them out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import os
 
 import pytest
 
@@ -479,4 +481,6 @@ async def test_zmq_pub_sub_round_trip_over_ipc():
         await sub.stop()
         pub.close(linger=0)
         ctx.term()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint.removeprefix("ipc://"))  # ZeroMQ leaves the bound socket file behind
     assert not sub.running
