@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait", "loop_factory", "run"]
+__all__ = ["cancel_and_wait", "wait_or_kill", "loop_factory", "run"]
 
 T = TypeVar("T")
 
@@ -23,6 +23,20 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def wait_or_kill(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then kill it; returns its exit code.
+
+    A process that exits just as the wait runs out is already reaped when it
+    is killed; that ``ProcessLookupError`` is not raised.
+    """
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        return await proc.wait()
 
 
 def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:

@@ -34,6 +34,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from kvflow.aio import wait_or_kill
 from kvflow.schemas import IMAGE_ROLES, WorkerRole, WorkerStatus, now_ms
 from kvflow.settings import Settings, settings_env
 from kvflow.streams.broker import EmbeddedBroker, broker_process_registry, free_port
@@ -215,12 +216,7 @@ class Supervisor:
         self._draining[worker_id] = child
         try:
             child.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(child.process.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):  # it exited as the wait ran out
-                    child.process.kill()
-                await child.process.wait()
+            await wait_or_kill(child.process, timeout_s)
         finally:
             self._draining.pop(worker_id, None)
 

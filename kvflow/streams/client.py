@@ -333,7 +333,7 @@ class KvflowClient:
                     lag = self._lag()
                     if not reader.done() and lag > 0 and self._since_progress(lag, time.monotonic()) > STALL_S:
                         log.error("responses reader of slots %s stalled %d records behind at offsets %s; restarting",
-                                  list(self._next_offset), self._lag(), self._next_offset)
+                                  list(self._next_offset), lag, self._next_offset)
                         reader.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await reader

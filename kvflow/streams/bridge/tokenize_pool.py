@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.aio import wait_or_kill
 from kvflow.streams.bridge.tokenize_worker import HEADER, frame
 
 __all__ = ["TokenizePool", "pooled", "job_chars", "RETRY_AFTER_S", "TokenizePoolError"]
@@ -248,11 +249,6 @@ class TokenizePool:
             with contextlib.suppress(Exception):
                 child.proc.stdin.close()
         for child in children:
-            try:
-                await asyncio.wait_for(child.proc.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):  # it exited as the wait ran out
-                    child.proc.kill()
-                await child.proc.wait()
+            await wait_or_kill(child.proc, timeout_s)
             if child.reader is not None:
                 await child.reader
