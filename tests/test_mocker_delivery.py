@@ -296,7 +296,9 @@ async def test_engine_wakes_less_than_once_per_step_and_streams_every_token():
         await engine.stop()
     assert sum(len(o.token_ids) for o in a) == 200 and a[-1].finish_reason is FinishReason.length
     assert sum(len(o.token_ids) for o in b) == 150 and b[-1].finish_reason is FinishReason.length
-    assert len(a[0].token_ids) == 1
+    # Whether the first token came alone depends on how late the event loop woke
+    # (a late loop merges the steps that ended meanwhile): the driven-clock test
+    # above checks its timing.
     assert wakes < steps / 2, (wakes, steps)
     assert engine.kv_stats().used_blocks == 0
 
