@@ -14,6 +14,7 @@ from kvflow.schemas import SamplingParams, ScalingCommand, WorkerRole, now_ms
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import make_producer
 from kvflow.supervisor import Supervisor, WorkerSpec
+from deployment import steady
 
 MODEL = "mock-model"
 AGG = WorkerRole.aggregated
@@ -26,7 +27,9 @@ MAX_TOKENS = 40  # about 0.3 s of mocker decode at speedup 1: many requests are 
 @pytest.fixture
 async def two_workers(kafka):
     settings, _ = kafka
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=1"]),
+    # steady(): no worker dies here; on a loaded machine a heartbeat late by the fixture's 3 s
+    # TTL read as two lost workers (both answered worker_lost).
+    sup = Supervisor(steady(settings), WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=1"]),
                      bridge=False)
     await sup.start()
     try:

@@ -241,23 +241,26 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     prompts = [tokenizer.encode_prompt(" ".join([p] * 5)) for p in PROMPTS]
     assert all(len(p) > 2 * BLOCK for p in prompts)
 
+    store = tmp_path / "kv"
     reference = _engine(None)
-    await reference.start()
+    prefill_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.prefill, str(store)))
+    decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
     try:
+        # The three builds run in threads of their own, at once.
+        await asyncio.gather(reference.start(), prefill_engine.start(), decode_engine.start())
         expected = []
         for i, ids in enumerate(prompts):
             outs = [o async for o in reference.generate(GenerateRequest(f"ref-{i}", ids, sampling))]
             expected.append([t for o in outs for t in o.token_ids])
         params = reference._sampling_params(GenerateRequest("x", [1], sampling, kv_transfer_params={"k": 1}))
         assert params.extra_args == {"kv_transfer_params": {"k": 1}}
+    except BaseException:
+        await prefill_engine.stop()
+        await decode_engine.stop()
+        raise
     finally:
         await reference.stop()
 
-    store = tmp_path / "kv"
-    prefill_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.prefill, str(store)))
-    decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
-    await prefill_engine.start()
-    await decode_engine.start()
     workers = [Worker(steady(settings), WorkerConfig(worker_id="pre-0", slot=0, model=MODEL, role=WorkerRole.prefill),
                       prefill_engine, catalog),
                Worker(steady(settings), WorkerConfig(worker_id="dec-0", slot=0, model=MODEL, role=WorkerRole.decode),

@@ -130,6 +130,19 @@ _KV_EVENTS_TOPIC = "kvflow"
 
 _RPC_DIR: list[str] = []  # this process's directory for vLLM's ZeroMQ sockets, once made
 
+# vLLM builds running in a thread of this process, each with the environment its engine-core
+# process inherits: a build waits for those started with another environment.
+_BUILDS: list[tuple[dict[str, str], asyncio.Future]] = []
+
+
+def _shutdown_built(build: asyncio.Future) -> None:
+    """Shut down the engine a cancelled start built after all (its thread ran on)."""
+    if not build.cancelled() and build.exception() is None:
+        try:
+            build.result().shutdown()
+        except Exception:
+            log.exception("vLLM shutdown failed")
+
 
 def private_rpc_dir() -> str:
     """The directory vLLM's engines in this process bind their ``ipc://`` sockets in.
@@ -493,7 +506,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         """Work out the platform's engine arguments, start the KV event subscriber, then
-        build vLLM's ``AsyncLLM`` (idempotent).
+        build vLLM's ``AsyncLLM`` in a thread (idempotent; calls must not overlap).
 
         Sets :attr:`device_type`, :attr:`engine_args` (what vLLM was given,
         less the model and KV event settings) and :attr:`block_size`.
@@ -521,6 +534,8 @@ class VllmEngine(Engine):
                                          arg_names={f.name for f in dataclasses.fields(AsyncEngineArgs)})
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+        while others := [build for build_env, build in _BUILDS if build_env != env]:
+            await asyncio.wait(others)
         os.environ.update(env)  # read by vLLM's engine-core process, which inherits it
         private_rpc_dir()
         self.engine_args = args
@@ -533,8 +548,19 @@ class VllmEngine(Engine):
         except ImportError as exc:
             raise EngineError(str(exc)) from exc
         self.kv_subscriber = subscriber
+        # In a thread: the build takes 20-250 s (model load, compilation), during which this
+        # loop keeps serving (signals, stop(), other engines' starts in the same process).
+        build = asyncio.ensure_future(asyncio.to_thread(self._build, model_path, args))
+        entry = (env, build)
+        _BUILDS.append(entry)
+        build.add_done_callback(lambda _: _BUILDS.remove(entry))
         try:
-            self._engine = self._build(model_path, args)
+            self._engine = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: shut down whatever it builds once it is done.
+            build.add_done_callback(_shutdown_built)
+            await self._close_subscriber()
+            raise
         except Exception as exc:
             await self._close_subscriber()
             raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
