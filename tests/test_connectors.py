@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
+from deployment import steady
 import urllib3
 from kubernetes.client import ApiClient, AppsV1Api, Configuration
 from kubernetes.client.exceptions import ApiException
@@ -49,8 +50,8 @@ async def publish(settings, catalog, *items: ScalingCommand | bytes) -> None:
 @pytest.fixture
 async def supervisor(kafka):
     settings, _ = kafka
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]),
-                     bridge=False)
+    sup = Supervisor(steady(settings),
+                     WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]), bridge=False)
     await sup.start()
     yield sup
     await sup.stop()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
+from deployment import steady
+
 from kvflow.cli import app as cli_app
 from kvflow.planner.connectors import read_scaling_commands
 from kvflow.planner.core import PlannerConfig
@@ -23,7 +25,7 @@ MODEL = "mock-model"
 async def test_an_idle_pool_scales_to_zero_and_a_held_request_starts_a_worker(kafka, tmp_path, waiter):
     settings, catalog = kafka
     settings = settings.model_copy(update={"shed_mode": "queue", "shed_cold_start_hold_s": 60.0})
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=20"]),
+    sup = Supervisor(steady(settings), WorkerSpec(engine="mocker", model=MODEL, extra_args=["--speedup-ratio=20"]),
                      bridge=False)
     await sup.start()
     client = KvflowClient(settings, catalog, timeout_s=120)

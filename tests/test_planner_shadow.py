@@ -4,6 +4,7 @@ advisory on the scaling topic and scales nothing (what `kvflow up --planner sla
 
 from __future__ import annotations
 
+from deployment import steady
 from typer.testing import CliRunner
 
 from kvflow.cli import app as cli_app
@@ -18,8 +19,8 @@ AGG = WorkerRole.aggregated
 
 async def test_shadow_planner_publishes_decisions_and_scales_nothing(kafka, tmp_path, waiter):
     settings, catalog = kafka
-    sup = Supervisor(settings, WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]),
-                     bridge=False)
+    sup = Supervisor(steady(settings),
+                     WorkerSpec(engine="mocker", model="mock-model", extra_args=["--speedup-ratio=20"]), bridge=False)
     await sup.start()
     try:
         for _ in range(2):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from deployment import steady
 
 from kvflow.planner.connectors import ConnectorService
 from kvflow.planner.connectors.local import LocalConnector
@@ -14,7 +15,6 @@ from kvflow.schemas import SamplingParams, ScalingCommand, WorkerRole, now_ms
 from kvflow.streams.client import KvflowClient
 from kvflow.streams.kafka import make_producer
 from kvflow.supervisor import Supervisor, WorkerSpec
-from deployment import steady
 
 MODEL = "mock-model"
 AGG = WorkerRole.aggregated

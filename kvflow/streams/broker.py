@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,8 @@ from kvflow.settings import Settings
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["BROKER_THREADS", "BrokerError", "EmbeddedBroker", "broker_binary", "broker_process_registry", "free_port"]
+__all__ = ["BROKER_THREADS", "STOP_GRACE_S", "BrokerError", "EmbeddedBroker", "broker_binary", "broker_process_registry",
+           "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,11 @@ each request woke both threads (work stealing), and on the live-path bench
 (Mooncake slice, 2-core host, docs/benchmarks.md) the broker's CPU per 1,000
 output tokens fell from 0.144–0.147 s (three runs) to 0.119–0.131 s (two) with one."""
 
+STOP_GRACE_S = 0.5
+"""Seconds :meth:`EmbeddedBroker.stop` waits after SIGTERM before SIGKILL. Tansu waits
+for its clients' connections to close first (with one producer left open it had not
+exited after 3 s), and its memory storage has nothing to write out, so the wait is short."""
+
 
 class EmbeddedBroker:
     """A Tansu broker child process on ``127.0.0.1:<port>``, memory storage.
@@ -154,7 +161,7 @@ class EmbeddedBroker:
         log.info("embedded Tansu broker on %s (pid %s)", self.bootstrap_servers, self.process.pid)
 
     async def stop(self) -> None:
-        """Terminate the broker (SIGTERM, then SIGKILL after 3 s) and remove its doorbell directory."""
+        """Terminate the broker (SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`) and remove its doorbell directory."""
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return
@@ -165,7 +172,8 @@ class EmbeddedBroker:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        for _ in range(300):
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
             if proc.poll() is not None:
                 return
             await asyncio.sleep(0.01)
