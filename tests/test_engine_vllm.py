@@ -332,7 +332,14 @@ async def vllm_engine(model_dir):
     eng.test_pool_blocks = pool_blocks
     eng.test_events = []
     eng.kv_event_sink = eng.test_events.extend
+
+    async def look_during_build() -> bool:  # whether this loop ran while the engine was not built yet
+        await asyncio.sleep(0.2)  # a vLLM build takes tens of seconds
+        return eng._engine is None
+
+    look = asyncio.create_task(look_during_build())
     await eng.start()
+    eng.test_loop_ran_during_build = await look
     try:
         yield eng
     finally:
@@ -341,6 +348,12 @@ async def vllm_engine(model_dir):
 
 def _stored(events, tier=KvTier.device) -> set[int]:
     return {h for e in events if isinstance(e, BlockStored) and e.tier is tier for h in e.block_hashes}
+
+
+@pytest.mark.slow
+async def test_the_event_loop_keeps_running_while_vllm_builds(vllm_engine):
+    # The build runs in a thread: a blocked loop would have run the look only once it was done.
+    assert vllm_engine.test_loop_ran_during_build
 
 
 @pytest.mark.slow

@@ -135,11 +135,11 @@ _RPC_DIR: list[str] = []  # this process's directory for vLLM's ZeroMQ sockets, 
 _BUILDS: list[tuple[dict[str, str], asyncio.Future]] = []
 
 
-def _shutdown_built(build: asyncio.Future) -> None:
+def _shutdown_built(built: list[Any]) -> None:
     """Shut down the engine a cancelled start built after all (its thread ran on)."""
-    if not build.cancelled() and build.exception() is None:
+    while built:
         try:
-            build.result().shutdown()
+            built.pop().shutdown()
         except Exception:
             log.exception("vLLM shutdown failed")
 
@@ -550,20 +550,22 @@ class VllmEngine(Engine):
         self.kv_subscriber = subscriber
         # In a thread: the build takes 20-250 s (model load, compilation), during which this
         # loop keeps serving (signals, stop(), other engines' starts in the same process).
-        build = asyncio.ensure_future(asyncio.to_thread(self._build, model_path, args))
+        built: list[Any] = []  # the engine, handed over here: a finished future's result lives on
+        build = asyncio.ensure_future(asyncio.to_thread(lambda: built.append(self._build(model_path, args))))
         entry = (env, build)
         _BUILDS.append(entry)
         build.add_done_callback(lambda _: _BUILDS.remove(entry))
         try:
-            self._engine = await asyncio.shield(build)
+            await asyncio.shield(build)
         except asyncio.CancelledError:
             # The thread cannot be stopped: shut down whatever it builds once it is done.
-            build.add_done_callback(_shutdown_built)
+            build.add_done_callback(lambda _: _shutdown_built(built))
             await self._close_subscriber()
             raise
         except Exception as exc:
             await self._close_subscriber()
             raise EngineError(f"vLLM failed to start for {self.model_name}: {exc}") from exc
+        self._engine = built.pop()
         max_len = getattr(getattr(self._engine, "model_config", None), "max_model_len", None)
         self.context_length = int(max_len) if isinstance(max_len, int) and max_len > 0 else None
 
