@@ -79,3 +79,18 @@ async def test_a_reader_stuck_behind_unread_records_is_replaced(kafka, waiter, m
         assert client.reader_restarts >= 1
     finally:
         await client.stop()
+
+
+async def test_an_idle_reader_waits_no_longer_than_an_earlier_slot_is_kept(kafka):
+    settings, catalog = kafka
+    client = KvflowClient(settings, catalog)
+    now = 1000.0
+    assert client._poll_ms(now) == FOLLOW_POLL_MS  # nothing in flight, no earlier slot
+    client._left_at[3] = now - client_module.SLOT_GRACE_S + 5.0  # its grace ends in 5 s
+    assert 4990 <= client._poll_ms(now) <= 5000
+    client._left_at[3] = now - client_module.SLOT_GRACE_S - 60.0  # past its grace (its streams ran long)
+    assert client._poll_ms(now) == client_module.BUSY_POLL_MS
+    client._left_at[3] = now  # just left: the grace outlasts the longest wait
+    assert client._poll_ms(now) == min(FOLLOW_POLL_MS, int(client_module.SLOT_GRACE_S * 1000))
+    client._pending["r"] = (asyncio.Queue(), 0)
+    assert client._poll_ms(now) == client_module.BUSY_POLL_MS

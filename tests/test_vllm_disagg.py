@@ -246,7 +246,7 @@ async def test_prefill_and_decode_workers_match_aggregated_greedy_output(kafka, 
     prefill_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.prefill, str(store)))
     decode_engine = _engine(KvConnectorSpec("ExampleConnector", WorkerRole.decode, str(store)))
     try:
-        # The three builds run in threads of their own, at once.
+        # Started together, built one after another (one vLLM build at a time per process).
         await asyncio.gather(reference.start(), prefill_engine.start(), decode_engine.start())
         expected = []
         for i, ids in enumerate(prompts):

@@ -121,7 +121,8 @@ BUSY_POLL_MS = 1000
 """``getmany`` timeout of the responses reader while streams are in flight
 (ms): it then notes its progress at least this often. With none in flight it
 waits up to :data:`~kvflow.streams.kafka.FOLLOW_POLL_MS` (records end the
-wait at once), so an idle client does not wake every second for nothing."""
+wait at once), so an idle client does not wake every second for nothing, or
+until an earlier slot it still reads may be dropped."""
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,7 @@ class KvflowClient:
         while True:
             self._waiting = True
             try:
-                batches = await self._consumer.getmany(timeout_ms=BUSY_POLL_MS if self._pending else FOLLOW_POLL_MS)
+                batches = await self._consumer.getmany(timeout_ms=self._poll_ms(time.monotonic()))
             finally:
                 self._waiting = False
             if not batches and self._lag() == 0:
@@ -381,6 +382,18 @@ class KvflowClient:
                         stream[0].put_nowait((msg.offset, event))
             if self.rotate_records and await self._rotate():
                 await self._assign()
+
+    def _poll_ms(self, now: float) -> int:
+        """The reader's ``getmany`` timeout (ms): :data:`BUSY_POLL_MS` while streams are in
+        flight; with none, :data:`~kvflow.streams.kafka.FOLLOW_POLL_MS`, cut to when an
+        earlier slot's grace ends (:meth:`_rotate` drops it after a fetch), but no shorter
+        than :data:`BUSY_POLL_MS`."""
+        if self._pending:
+            return BUSY_POLL_MS
+        if not self._left_at:
+            return FOLLOW_POLL_MS
+        due_ms = (min(self._left_at.values()) + SLOT_GRACE_S - now) * 1000.0
+        return int(min(FOLLOW_POLL_MS, max(BUSY_POLL_MS, due_ms)))
 
     def _own(self, request: Any) -> tuple[Any, asyncio.Queue]:
         """Register ``request``'s stream (an inference, embedding or image

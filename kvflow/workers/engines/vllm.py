@@ -90,6 +90,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -130,9 +131,10 @@ _KV_EVENTS_TOPIC = "kvflow"
 
 _RPC_DIR: list[str] = []  # this process's directory for vLLM's ZeroMQ sockets, once made
 
-# vLLM builds running in a thread of this process, each with the environment its engine-core
-# process inherits: a build waits for those started with another environment.
-_BUILDS: list[tuple[dict[str, str], asyncio.Future]] = []
+# vLLM builds in one process run one at a time, each in a thread: two at once raced in vLLM's
+# process-wide Prometheus registry (DuplicateTimeseries), and each sets the environment its
+# engine-core process inherits.
+_BUILD_LOCK = threading.Lock()
 
 
 def _shutdown_built(built: list[Any]) -> None:
@@ -534,9 +536,6 @@ class VllmEngine(Engine):
                                          arg_names={f.name for f in dataclasses.fields(AsyncEngineArgs)})
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
-        while others := [build for build_env, build in _BUILDS if build_env != env]:
-            await asyncio.wait(others)
-        os.environ.update(env)  # read by vLLM's engine-core process, which inherits it
         private_rpc_dir()
         self.engine_args = args
         self.block_size = int(args["block_size"])
@@ -549,12 +548,15 @@ class VllmEngine(Engine):
             raise EngineError(str(exc)) from exc
         self.kv_subscriber = subscriber
         # In a thread: the build takes 20-250 s (model load, compilation), during which this
-        # loop keeps serving (signals, stop(), other engines' starts in the same process).
+        # loop keeps serving (signals, stop(), other work of the process).
         built: list[Any] = []  # the engine, handed over here: a finished future's result lives on
-        build = asyncio.ensure_future(asyncio.to_thread(lambda: built.append(self._build(model_path, args))))
-        entry = (env, build)
-        _BUILDS.append(entry)
-        build.add_done_callback(lambda _: _BUILDS.remove(entry))
+
+        def build_one() -> None:
+            with _BUILD_LOCK:
+                os.environ.update(env)  # read by vLLM's engine-core process, which inherits it
+                built.append(self._build(model_path, args))
+
+        build = asyncio.ensure_future(asyncio.to_thread(build_one))
         try:
             await asyncio.shield(build)
         except asyncio.CancelledError:
