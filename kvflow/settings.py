@@ -161,11 +161,11 @@ class Settings(BaseSettings):
     kv_decode_weight: float = Field(default=8.0, ge=0)
     """``kv``/``approx`` routing: prefill blocks one running request weighs. Defaults to 8."""
 
-    kv_stall_weight: float = Field(default=0.0, ge=0)
-    """``kv``/``approx`` routing: extra cost per uncached prefill block of a
-    request on a worker that is running requests (their decodes stall behind
-    the prefill). Helps long prompts with short outputs, hurts conversation
-    traffic (``kvflow.router.kv_policy``). Defaults to 0 (off)."""
+    kv_stall_weight: float = Field(default=20.0, ge=0)
+    """``kv``/``approx`` routing: cost per uncached prefill block of a request
+    and per unit of a worker's stall exposure (Σ 1/(max_tokens − 1) over the
+    requests it holds, whose decodes the prefill would stall;
+    ``kvflow.router.kv_policy``). Defaults to 20; 0 turns it off."""
 
     kv_temperature: float = Field(default=0.0, ge=0)
     """``kv``/``approx`` routing: 0 picks the cheapest worker; > 0 samples by

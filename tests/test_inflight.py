@@ -16,6 +16,7 @@ from kvflow.router.inflight import (
     expire_inflight,
     kv_lagging,
     note_routed_request,
+    stall_exposure,
     waive_kv,
 )
 from kvflow.router.policies import RouteRequest, select_worker
@@ -49,9 +50,9 @@ def hb(worker_id: str, *, seq: int | None = 0, held: int | None = 0, active: int
 
 
 def admitted(worker_id: str, rid: str, seq: int, *, prompt: int = 320, prefill: int = 320, started_ms: int = START,
-             ts_ms: int = 1_000) -> RequestAdmitted:
+             ts_ms: int = 1_000, max_tokens: int = 0) -> RequestAdmitted:
     return RequestAdmitted(worker_id=worker_id, started_ms=started_ms, seq=seq, request_id=rid,
-                           prompt_tokens=prompt, prefill_tokens=prefill, ts_ms=ts_ms)
+                           prompt_tokens=prompt, prefill_tokens=prefill, max_tokens=max_tokens, ts_ms=ts_ms)
 
 
 def finished(worker_id: str, rid: str, seq: int, *, cancelled: bool = False, kv_event_id: int = 0,
@@ -134,6 +135,26 @@ def test_unknown_worker_is_ignored():
 
 
 # ---- finish and cancel --------------------------------------------------------------------------
+
+def test_stall_exposure_sums_each_held_request_by_its_output_cap():
+    table = table_of("w0")
+    assert table.workers["w0"].stall_exposure == 0
+    note_routed_request(table, "w0", "r1", prompt_tokens=320, prefill_tokens=320, now_ms=1_000, max_tokens=5)
+    assert table.workers["w0"].stall_exposure == pytest.approx(1 / 4)
+    apply_inflight_record(table, admitted("w0", "r1", 0, max_tokens=5))  # takes the routed entry over
+    apply_inflight_record(table, admitted("w0", "r2", 1, max_tokens=101))  # routed by another replica
+    apply_inflight_record(table, admitted("w0", "r3", 2, max_tokens=1))  # one token: no gap to stretch
+    apply_inflight_record(table, admitted("w0", "r4", 3))  # a remote prefill (decodes nothing) or unknown
+    assert table.workers["w0"].stall_exposure == pytest.approx(1 / 4 + 1 / 100)
+    apply_inflight_record(table, finished("w0", "r1", 4))
+    assert table.workers["w0"].stall_exposure == pytest.approx(1 / 100)
+    apply_heartbeat(table, hb("w0", seq=5, held=3, active=2, waiting=1, ts_ms=2_000))  # covering them changes nothing
+    assert table.workers["w0"].stall_exposure == pytest.approx(1 / 100)
+    for seq, rid in enumerate(("r2", "r3", "r4"), start=5):
+        apply_inflight_record(table, finished("w0", rid, seq))
+    assert table.workers["w0"].stall_exposure == 0  # exact: summed in integer parts
+    assert stall_exposure(94) == pytest.approx(1 / 93) and stall_exposure(0) == stall_exposure(1) == 0
+
 
 def test_finish_frees_the_worker_at_once():
     table = table_of("w0")

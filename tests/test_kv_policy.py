@@ -238,26 +238,35 @@ def test_weights_come_from_the_settings(monkeypatch):
     monkeypatch.setenv("KVFLOW_KV_STALL_WEIGHT", "0.5")
     cfg = KvPolicyConfig.from_settings(Settings())
     assert (cfg.decode_weight, cfg.temperature, cfg.queue_weight, cfg.overlap_credit) == (2.5, 0.1, 0.5, 1.0)
-    assert cfg.stall_weight == 0.5 and KvPolicyConfig().stall_weight == 0.0
+    assert cfg.stall_weight == 0.5 and KvPolicyConfig().stall_weight == 20.0
     assert KvPolicyConfig.from_settings(Settings(kv_queue_weight=0)).queue_weight == 0
 
 
-def test_a_stall_weight_sends_a_long_prompt_to_an_idle_worker_instead_of_a_busy_one_holding_its_prefix():
-    # w0 holds 8 of the 20 prompt blocks and runs one request; w1 is idle and holds nothing.
+def with_exposure(table: RoutingTable, worker_id: str, exposure: float) -> RoutingTable:
+    """``table`` with ``worker_id``'s stall exposure set (what its inflight records would give)."""
+    table.workers[worker_id] = dataclasses.replace(table.workers[worker_id], stall_exposure=exposure)
+    return table
+
+
+def test_the_stall_term_keeps_a_prefill_away_from_short_answers_it_would_stall():
+    # w0 holds 10 of the 20 prompt blocks and runs one request; w1 is idle and holds nothing.
     index = KvIndex(BS)
-    store(index, "w0", 8)
+    store(index, "w0", 10)
     table = table_with(heartbeat("w0", active=1), heartbeat("w1"), index=index)
-    # off (default): w0 costs 12 + 8 = 20, w1 20; the tie goes to w0
-    assert select_worker("kv", request(), table).worker_id == "w0"
-    # 0.5: w0's 12 uncached blocks would stall its running request, 20 + 0.5 * 12 = 26 > 20
-    table.kv_config = KvPolicyConfig(stall_weight=0.5)
+    # w0's request decodes 5 tokens: 10 uncached blocks would stretch its mean ITL by a quarter of their
+    # prefill time, 10 + 8 + 20 * 10 * (1/4) = 68 > 20 on the idle w1
+    with_exposure(table, "w0", 1 / 4)
     d = select_worker("kv", request(), table)
     assert d.worker_id == "w1" and d.cost == pytest.approx(20.0)
-    assert {c.worker_id: c.cost for c in d.candidates}["w0"] == pytest.approx(26.0)
-    # with both workers running requests the weight charges each its own uncached prefill: w0 wins again
-    busy = table_with(heartbeat("w0", active=1), heartbeat("w1", active=1), index=index)
-    busy.kv_config = KvPolicyConfig(stall_weight=0.5)
-    assert select_worker("kv", request(), busy).worker_id == "w0"
+    w0 = {c.worker_id: c for c in d.candidates}["w0"]
+    assert (w0.stall_exposure, w0.cost) == (pytest.approx(0.25), pytest.approx(68.0))
+    # a long answer barely notices: 10 + 8 + 20 * 10 / 1000 = 18.2 < 20, the prefix wins
+    with_exposure(table, "w0", 1 / 1000)
+    assert select_worker("kv", request(), table).worker_id == "w0"
+    # weight 0 turns the term off, whatever is held
+    with_exposure(table, "w0", 1 / 4)
+    table.kv_config = KvPolicyConfig(stall_weight=0)
+    assert select_worker("kv", request(), table).worker_id == "w0"
     with pytest.raises(ValueError, match="stall_weight"):
         KvPolicyConfig(stall_weight=-0.1)
 
@@ -268,11 +277,10 @@ def test_a_stall_weight_sends_a_long_prompt_to_an_idle_worker_instead_of_a_busy_
 def recomputed(cfg: KvPolicyConfig, t) -> float:
     """A candidate's cost from its published terms, by the documented formula."""
     return (cfg.prefill_load_scale * (t.prefill_blocks + cfg.queue_weight * t.queued_prefill_blocks)
-            + cfg.decode_weight * t.decode_requests
-            + (cfg.stall_weight * t.prefill_blocks if t.decode_requests else 0.0))
+            + cfg.decode_weight * t.decode_requests + cfg.stall_weight * t.prefill_blocks * t.stall_exposure)
 
 
-@pytest.mark.parametrize("stall_weight", [0.0, 0.5])
+@pytest.mark.parametrize("stall_weight", [0.0, 20.0])
 @pytest.mark.parametrize("policy", ["kv", "approx"])
 def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy, stall_weight):
     cfg = KvPolicyConfig(stall_weight=stall_weight)
@@ -281,6 +289,7 @@ def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy, stall_w
     table = table_with(heartbeat("w0", active=1, prefill_tokens=48), heartbeat("w1", active=2, waiting=1),
                        heartbeat("w2"), index=index if policy == "kv" else None)
     note_routed(table, "w2")  # a request routed since w2's heartbeat: queued prefill and decode load
+    with_exposure(table, "w1", 0.5)  # w1's requests would be stalled by this prefill
     table.kv_config = cfg
     req = request(isl=330, now_ms=1)
     d = select_worker(policy, req, table)
@@ -298,7 +307,7 @@ def test_candidate_terms_reproduce_every_cost_and_the_chosen_one(policy, stall_w
     w0, w1, w2 = terms["w0"], terms["w1"], terms["w2"]
     assert (w0.prefill_blocks, w0.queued_prefill_blocks, w0.decode_requests) == (21, 48 / BS, 1)
     assert w2.queued_prefill_blocks == 21 and w2.decode_requests == 1 and w2.load == 1  # sized like this request
-    assert w1.load == 3 and w1.decode_requests == 2
+    assert w1.load == 3 and w1.decode_requests == 2 and w1.stall_exposure == 0.5 and w0.stall_exposure == 0
     if policy == "kv":
         assert (w1.overlap_blocks, w1.prefill_blocks) == (12, 21 - 12)
     assert w0.host_overlap_blocks is None and w0.disk_overlap_blocks is None  # no host or disk tier reported

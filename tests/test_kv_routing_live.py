@@ -4,6 +4,7 @@ a restarted router that rebuilds the same index, and prefix reuse end to end."""
 import asyncio
 
 import httpx
+import pytest
 from deployment import wait_router_ready
 from aiokafka import TopicPartition
 
@@ -291,6 +292,10 @@ async def test_same_long_prompt_returns_to_the_worker_holding_it(kafka, waiter):
             # A occupies one worker while B arrives, so B lands on the other one
             first_a = asyncio.create_task(http.post("/v1/chat/completions", json=body(long_a, 600)))
             await waiter(lambda: any(s.admitted for s in table.inflight.workers.values()), timeout_s=30)
+            # the worker's admission record carries A's output cap, which weighs a prefill placed beside it
+            holder, held = next((w, s) for w, s in table.inflight.workers.items() if s.admitted)
+            assert [e.max_tokens for e in held.admitted.values()] == [600]
+            assert table.workers[holder].stall_exposure == pytest.approx(1 / 599, abs=1e-6)  # summed in millionths
             first_b = (await http.post("/v1/chat/completions", json=body(long_b, 4))).json()
             first_a = (await first_a).json()
             assert first_a["kvflow"]["worker_id"] != first_b["kvflow"]["worker_id"]

@@ -107,8 +107,8 @@ def replay(
         min=0, help=env_help("kv_decode_weight", "offline kv/approx routing: prefill blocks one running request "
                                                  "weighs"))] = None,
     kv_stall_weight: Annotated[Optional[float], typer.Option(
-        min=0, help=env_help("kv_stall_weight", "offline kv/approx routing: extra cost per uncached prefill block on "
-                                                "a worker running requests"))] = None,
+        min=0, help=env_help("kv_stall_weight", "offline kv/approx routing: cost per uncached prefill "
+                                                "block and unit of a worker's stall exposure"))] = None,
     kv_temperature: Annotated[Optional[float], typer.Option(
         min=0, help=env_help("kv_temperature", "offline kv/approx routing: 0 = cheapest worker, > 0 = softmax "
                                                "sampling"))] = None,

@@ -508,7 +508,7 @@ class Simulation:
         self._to_router(self.core.on_request_admitted, RequestAdmitted(
             worker_id=w.worker_id, started_ms=0, seq=w.lifecycle_seq, request_id=request.request_id,
             prompt_tokens=len(request.prompt_token_ids), prefill_tokens=max(0, prefill_tokens),
-            ts_ms=int(self.now_ms)))
+            max_tokens=request.sampling.max_tokens, ts_ms=int(self.now_ms)))
         w.lifecycle_seq += 1
 
     def _finished(self, w: SimWorker, request_id: str) -> None:

@@ -681,7 +681,7 @@ class RouterCore:
                     self.counters["session_hits"] += 1
             self.sessions.note(sid, decision.worker_id)
         placement = Placement(decision, placement.plan)
-        count_placement(table, placement, arrival.request_id, arrival.isl, now_ms)
+        count_placement(table, placement, arrival.request_id, arrival.isl, now_ms, arrival.max_tokens)
         workers = table.workers
         decode = workers[decision.worker_id]
         target = workers[decision.prefill_worker_id] if placement.plan.remote else decode

@@ -170,15 +170,18 @@ def place(policy: str, req: RouteRequest, table: RoutingTable, config: DisaggCon
     return Placement(decision, plan)
 
 
-def count_placement(table: RoutingTable, placement: Placement, request_id: str, isl: int, now_ms: int) -> None:
+def count_placement(table: RoutingTable, placement: Placement, request_id: str, isl: int, now_ms: int,
+                    max_tokens: int = 0) -> None:
     """Count request ``request_id``, placed by ``placement``, on its workers
     (:func:`~kvflow.router.inflight.note_routed_request` at ``now_ms``, epoch or simulated ms).
 
-    ``isl`` is the prompt length in tokens. Work counted: locally, the
-    decode worker computes the prompt less its cached overlap; remotely, the
-    prefill worker computes the whole prompt (as its admission record will
-    say: the stage does not carry the prefill pool's overlap) and the decode
-    worker none (it imports the KV).
+    ``isl`` is the prompt length in tokens, ``max_tokens`` its output cap
+    (0 = unknown). Work counted: locally, the decode worker computes the
+    prompt less its cached overlap; remotely, the prefill worker computes
+    the whole prompt (as its admission record will say: the stage does not
+    carry the prefill pool's overlap) and decodes nothing, and the decode
+    worker computes none of it (it imports the KV). The decode worker
+    decodes ``max_tokens``.
 
     Raises:
         KeyError: a worker of the placement is not in ``table``.
@@ -187,11 +190,13 @@ def count_placement(table: RoutingTable, placement: Placement, request_id: str, 
     decode = table.workers[decision.worker_id]
     if not placement.plan.remote:
         note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl,
-                            prefill_tokens=isl - decision.overlap_blocks * decode.block_size, now_ms=now_ms)
+                            prefill_tokens=isl - decision.overlap_blocks * decode.block_size, now_ms=now_ms,
+                            max_tokens=max_tokens)
         return
     note_routed_request(table, decision.prefill_worker_id, request_id, prompt_tokens=isl, prefill_tokens=isl,
                         now_ms=now_ms)
-    note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms)
+    note_routed_request(table, decode.worker_id, request_id, prompt_tokens=isl, prefill_tokens=0, now_ms=now_ms,
+                        max_tokens=max_tokens)
 
 
 def routed_record(request: InferenceRequest, decision: RoutingDecision, decode: WorkerView,

@@ -45,6 +45,8 @@ heartbeat, ``covered`` = covered admitted requests still held)::
                             min(hb.active_prefill_tokens, Σ covered prompt tokens)
     routed_since_heartbeat = |uncovered admitted| + |routed|
     routed_prefill_tokens  = Σ prefill_tokens over uncovered admitted and routed requests
+    stall_exposure         = Σ 1 / (max_tokens − 1) over every admitted and routed request
+                             (those with max_tokens ≤ 1 add 0; see :func:`stall_exposure`)
 
 so nothing is counted twice: a request is either in the heartbeat's
 figures or in the ``routed_*`` terms, never both, and a request that ended
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TTL_MS",
+    "EXPOSURE_UNIT",
     "FINISHED_REMEMBERED",
     "ORPHAN_TTL_MS",
     "InflightEntry",
@@ -116,6 +119,7 @@ __all__ = [
     "note_routed_request",
     "observe_heartbeat",
     "refresh_view",
+    "stall_exposure",
     "waive_kv",
 ]
 
@@ -139,7 +143,9 @@ class InflightEntry:
     ``prompt_tokens``: prompt length (0 = unknown); ``prefill_tokens``:
     prompt tokens the worker is expected to compute; ``since_ms``: when it
     was routed (router clock, provisional entries) or admitted (worker
-    clock); ``seq``: its admission record's ``seq``, None while provisional.
+    clock); ``seq``: its admission record's ``seq``, None while provisional;
+    ``max_tokens``: the most output tokens the worker decodes for it (0 =
+    none or unknown).
     """
 
     request_id: str
@@ -147,22 +153,44 @@ class InflightEntry:
     prefill_tokens: int
     since_ms: int
     seq: int | None = None
+    max_tokens: int = 0
+
+
+EXPOSURE_UNIT = 1_000_000
+"""Stall exposure is summed in integer millionths (exact under add and remove)."""
+
+
+def stall_exposure(max_tokens: int) -> float:
+    """How much one ms of prefill placed beside a request stretches its mean
+    inter-token latency (ms per ms, i.e. ``1 / (max_tokens − 1)``): a stall
+    of ``t`` ms between two of its tokens adds ``t / (osl − 1)`` to the mean
+    gap over its ``osl − 1`` gaps (AIPerf's per-request ITL). ``max_tokens``
+    is the output cap, an upper bound of ``osl``, so this is a lower bound.
+    0 when the request decodes at most one token (no gap to stretch)."""
+    return 1.0 / (max_tokens - 1) if max_tokens > 1 else 0.0
+
+
+def _exposure_micro(max_tokens: int) -> int:
+    return round(EXPOSURE_UNIT * stall_exposure(max_tokens))
 
 
 @dataclass(slots=True)
 class _Sums:
-    """Running totals over a set of entries (requests, prompt tokens, unknown prompts, prefill tokens)."""
+    """Running totals over a set of entries (requests, prompt tokens, unknown prompts, prefill tokens,
+    stall exposure in :data:`EXPOSURE_UNIT` parts)."""
 
     n: int = 0
     prompt: int = 0
     unknown: int = 0
     prefill: int = 0
+    exposure: int = 0
 
     def add(self, e: InflightEntry, sign: int = 1) -> None:
         self.n += sign
         self.prompt += sign * e.prompt_tokens
         self.unknown += sign * (e.prompt_tokens == 0)
         self.prefill += sign * e.prefill_tokens
+        self.exposure += sign * _exposure_micro(e.max_tokens)
 
 
 @dataclass
@@ -209,9 +237,9 @@ class WorkerInflight:
         """Requests counted on this worker: admitted plus provisional."""
         return len(self.admitted) + len(self.routed)
 
-    def figures(self) -> tuple[int, int, int, int, int]:
+    def figures(self) -> tuple[int, int, int, int, int, float]:
         """``(active_requests, waiting_requests, active_prefill_tokens, routed_since_heartbeat,
-        routed_prefill_tokens)`` by the formulas of the module docstring.
+        routed_prefill_tokens, stall_exposure)`` by the formulas of the module docstring.
 
         Raises:
             ValueError: no heartbeat folded yet.
@@ -225,7 +253,8 @@ class WorkerInflight:
         prefill = hb.active_prefill_tokens
         if self.covered_finished and self._all.unknown == self._new.unknown:
             prefill = min(prefill, self._all.prompt - self._new.prompt)
-        return (running, waiting, prefill, self._new.n + self._routed.n, self._new.prefill + self._routed.prefill)
+        return (running, waiting, prefill, self._new.n + self._routed.n, self._new.prefill + self._routed.prefill,
+                (self._all.exposure + self._routed.exposure) / EXPOSURE_UNIT)
 
     def _recount(self) -> None:
         """Recompute the uncovered sums after the coverage boundary moved (newest entries first)."""
@@ -295,9 +324,10 @@ def refresh_view(table: RoutingTable, worker_id: str) -> None:
     s = table.inflight.workers.get(worker_id)
     if view is None or s is None or s.heartbeat is None:
         return
-    active, waiting, prefill, routed, routed_prefill = s.figures()
+    active, waiting, prefill, routed, routed_prefill, exposure = s.figures()
     table.workers[worker_id] = replace(view, active_requests=active, waiting_requests=waiting,
                                        active_prefill_tokens=prefill, routed_since_heartbeat=routed,
+                                       stall_exposure=exposure,
                                        routed_prefill_tokens=routed_prefill)
 
 
@@ -350,13 +380,15 @@ def forget_worker(table: RoutingTable, worker_id: str) -> None:
 
 
 def note_routed_request(table: RoutingTable, worker_id: str, request_id: str, *, prompt_tokens: int,
-                        prefill_tokens: int, now_ms: int) -> None:
+                        prefill_tokens: int, now_ms: int, max_tokens: int = 0) -> None:
     """Count a request this router just sent to ``worker_id`` (a provisional entry).
 
     ``prompt_tokens``: its prompt length (0 = unknown); ``prefill_tokens``:
     the prompt tokens the worker is expected to compute (prompt minus the
     cached overlap; 0 for a decode worker importing the KV); ``now_ms``:
-    the decision time (expiry starts there). A worker without tracked
+    the decision time (expiry starts there); ``max_tokens``: the most
+    output tokens the worker decodes for it (0 for a remote prefill, and
+    when unknown). A worker without tracked
     heartbeats is counted the old way (``routed_since_heartbeat + 1``); a
     request already counted on the worker is not counted again. Unknown
     workers are ignored.
@@ -370,7 +402,7 @@ def note_routed_request(table: RoutingTable, worker_id: str, request_id: str, *,
         return
     if request_id in s.admitted or request_id in s.routed:
         return
-    e = InflightEntry(request_id, max(0, prompt_tokens), max(0, prefill_tokens), now_ms)
+    e = InflightEntry(request_id, max(0, prompt_tokens), max(0, prefill_tokens), now_ms, None, max(0, max_tokens))
     s.routed[request_id] = e
     s._routed.add(e)
     s.last_ms = max(s.last_ms, now_ms)
@@ -400,7 +432,8 @@ def apply_inflight_record(table: RoutingTable, record: RequestAdmitted | Request
     if isinstance(record, RequestAdmitted):
         provisional = s._drop_routed(rid)
         if rid not in s.admitted and (provisional is not None or rid not in s.finished):
-            e = InflightEntry(rid, record.prompt_tokens, record.prefill_tokens, record.ts_ms, record.seq)
+            e = InflightEntry(rid, record.prompt_tokens, record.prefill_tokens, record.ts_ms, record.seq,
+                              record.max_tokens)
             s.admitted[rid] = e
             s._all.add(e)
             if e.seq >= s.covered_seq:

@@ -19,9 +19,10 @@ block-equivalents)::
                        + routed_prefill_tokens / block_size        requests on w its heartbeat leaves out
                          (or routed_since_heartbeat · prefill_blocks when their sizes are unknown)
     decode_requests  = active_requests + routed_since_heartbeat    running (decoding) requests on w
+    stall_exposure   = Σ 1 / (max_tokens_r − 1) over the requests r that w holds
     cost = prefill_load_scale · (adjusted_prefill + queue_weight · queued_prefill)
            + decode_weight · decode_requests
-           + stall_weight · adjusted_prefill   (only when decode_requests > 0)
+           + stall_weight · adjusted_prefill · stall_exposure
 
 Why these terms:
 
@@ -40,16 +41,31 @@ Why these terms:
   1/16 per block) raised TPOT p99 from 20.5 to 28.6 ms and lowered the hit
   rate. KV memory pressure is handled by load shedding instead
   (:mod:`kvflow.router.shedding`, ``kv_threshold``).
-* ``stall_weight`` (0 by default, i.e. off) charges the request's own
-  uncached prefill once more on a worker that is running requests: its
-  prefill chunks share that worker's steps and stall every decode there.
-  With it, a long prompt whose shared prefix sits on a busy worker goes to
-  an idle one instead. It helps traffic of long prompts with short outputs
-  and hurts conversation traffic: on the synthetic long-prompt trace (300
-  requests, 4 workers) a weight of 0.5 took the per-request ITL p99 of the
-  offline replay from 18.1 to 12.1 ms, and on the first 300 requests of the
-  Mooncake conversation trace (4 workers) it raised it from 36.7 to 63.8 ms
-  (``docs/benchmarks.md``, "Routing and the long-prompt ITL tail").
+* The stall term charges what the request's prefill does to the requests
+  already on ``w``: its chunks share their steps, and a step that prefills
+  thousands of tokens takes ~25× a decode step (the mocker's timing model:
+  ~175 ms for an 8,192-token chunk against ~6.5 ms), so each of them waits.
+  A stall of ``t`` ms between two tokens of a request that decodes ``osl``
+  tokens adds ``t / (osl − 1)`` to its mean inter-token latency (the
+  per-request ITL that AIPerf reports and SLAs bound), so the damage is the
+  prefill's duration (∝ ``adjusted_prefill``) times ``stall_exposure``
+  (:func:`kvflow.router.inflight.stall_exposure`, with each request's
+  ``max_tokens`` standing in for its unknown ``osl``). ``stall_weight``
+  says how many blocks of the new request's own prefill (its TTFT) one
+  block of that summed ITL damage is worth; 20 is kvflow's choice, in the
+  range of usual TTFT-to-ITL SLA ratios (500 ms to 25–50 ms). The term
+  protects short answers most: a worker holding requests that decode 94
+  tokens each is charged four times what one holding 377-token answers
+  is. It replaced a flat charge (``stall_weight · adjusted_prefill`` on any
+  worker running requests, off by default), which fixed the long-prompt
+  trace's tail but doubled the Mooncake trace's, because it did not tell a
+  long answer from a short one. Offline replays (``docs/benchmarks.md``,
+  "Routing and the long-prompt ITL tail"), per-request ITL p99 without →
+  with the term at 20: synthetic long prompts (300 requests, 4 workers)
+  18.1 → 13.2 ms; Mooncake, first 300 requests (4 workers) 36.7 → 22.6 ms;
+  all 7,851 Mooncake requests (8 workers) 19.0 → 13.3 ms with the SLA
+  attainment and prefix hit rate within noise; Azure conversations 48.4 →
+  44.9 ms.
 * Requests a worker took or was sent after its last heartbeat are not yet
   in the heartbeat's figures; the router counts them itself, with the
   prompt tokens each is expected to compute, and drops requests that ended
@@ -70,10 +86,12 @@ reached a slightly higher hit rate (0.251 vs 0.247) but a worse TPOT p99
 robin (98.57% vs 98.67% within it on 4 workers), as every running request
 then weighs as much as 2,048 prompt tokens queued ahead, so arrivals pile
 onto a worker busy with long prompts. With 8: 98.88% on 4 workers, 99.58% on 5
-(round robin 99.55%). The cost of Dynamo's KV router (its router design docs:
-prefill blocks after overlap plus the worker's active KV blocks, both
-weight 1) scored prefix hit rate 0.204, TTFT p99 1805 ms and TPOT p99 38 ms
-on that replay; these defaults reach about 0.25, 1751 ms and 19 ms.
+(round robin 99.55%); these figures were taken without the stall term. The
+cost of Dynamo's KV router (its router design docs: prefill blocks after
+overlap plus the worker's active KV blocks, both weight 1) scored prefix hit
+rate 0.204, TTFT p99 1805 ms and TPOT p99 38 ms on that replay; these
+defaults reach about 0.25, 1775 ms and 13 ms (1751 ms and 19 ms without the
+stall term).
 
 Selection: with ``temperature == 0`` the lowest cost wins, ties to the lowest
 worker id; with ``temperature > 0`` costs are min-max normalised to [0, 1]
@@ -146,10 +164,12 @@ class KvPolicyConfig:
             Defaults to ``8.0`` (kvflow's choice, tuned on the Mooncake and
             Azure replays, see the module docstring; 8 blocks of 64 tokens
             = 512 prompt tokens).
-        stall_weight: extra cost per uncached prefill block of the request
-            on a worker with running requests (their decodes stall behind
-            its prefill). Defaults to ``0.0`` (off; kvflow's choice, see the
-            module docstring for what it trades).
+        stall_weight: cost per uncached prefill block of the request and
+            per unit of the worker's ``stall_exposure`` (the requests there
+            whose decodes its prefill would stall, each weighted by
+            ``1 / (max_tokens − 1)``). Defaults to ``20.0`` (kvflow's
+            choice, tuned with the offline replays of the module docstring;
+            0 turns it off).
         temperature: 0 = argmin; > 0 = softmax sampling over normalised
             costs. Defaults to ``0.0`` (Dynamo's ``--router-temperature``
             default).
@@ -170,7 +190,7 @@ class KvPolicyConfig:
     prefill_load_scale: float = 1.0
     queue_weight: float = 0.5
     decode_weight: float = 8.0
-    stall_weight: float = 0.0
+    stall_weight: float = 20.0
     temperature: float = 0.0
     approx_ttl_ms: int = 600_000
 
@@ -209,11 +229,10 @@ def worker_terms(req: RouteRequest, candidates: Sequence[WorkerView], scores: Ov
     :class:`~kvflow.schemas.CandidateCost` holds the device overlap
     (blocks), the host and disk overlaps (blocks; None when ``scores`` has
     no host or disk tier), ``prefill_blocks`` (the request's prefill after
-    the cache credit, ≥ 0), ``queued_prefill_blocks``, ``decode_requests``
-    and ``cost`` (KV blocks; lower is better), such that
+    the cache credit, ≥ 0), ``queued_prefill_blocks``, ``decode_requests``,
+    ``stall_exposure`` and ``cost`` (KV blocks; lower is better), such that
     ``cost = prefill_load_scale · (prefill_blocks + queue_weight · queued_prefill_blocks)
-    + decode_weight · decode_requests`` (+ ``stall_weight · prefill_blocks`` when
-    ``decode_requests`` > 0).
+    + decode_weight · decode_requests + stall_weight · prefill_blocks · stall_exposure``.
     """
     dev, host, disk = scores.device, scores.host, scores.disk
     credit, wh, wd = cfg.overlap_credit, cfg.host_weight, cfg.disk_weight
@@ -237,13 +256,12 @@ def worker_terms(req: RouteRequest, candidates: Sequence[WorkerView], scores: Ov
         routed_prefill = w.routed_prefill_tokens
         queued = w.active_prefill_tokens / bs + (routed * prefill if routed_prefill is None else routed_prefill / bs)
         decoding = w.active_requests + routed
-        cost = scale * (adjusted + wq * queued) + wdec * decoding
-        if decoding and wstall:
-            cost += wstall * adjusted
+        exposure = w.stall_exposure
+        cost = scale * (adjusted + wq * queued) + wdec * decoding + wstall * adjusted * exposure
         terms.append(CandidateCost(
             worker_id=wid, overlap_blocks=overlap, host_overlap_blocks=on_host, disk_overlap_blocks=on_disk,
             prefill_blocks=adjusted, queued_prefill_blocks=queued, decode_requests=decoding,
-            load=w.load, cost=cost))
+            stall_exposure=exposure, load=w.load, cost=cost))
     return terms
 
 

@@ -34,7 +34,7 @@ class CandidateCost(BaseModel):
 
         cost = prefill_load_scale · (prefill_blocks + queue_weight · queued_prefill_blocks)
                + decode_weight · decode_requests
-               + stall_weight · prefill_blocks   (only when decode_requests > 0)
+               + stall_weight · prefill_blocks · stall_exposure
 
     Attributes:
         worker_id: the candidate.
@@ -50,6 +50,10 @@ class CandidateCost(BaseModel):
             routed to it since).
         decode_requests: requests running on the worker (reported active
             plus routed since its heartbeat).
+        stall_exposure: Σ ``1 / (max_tokens − 1)`` over the requests the
+            worker holds: the mean inter-token latency (ms) a prefill of
+            1 ms there adds to them in all (None for policies that do not
+            weigh it).
         load: requests in flight on the worker (active + waiting + routed
             since its heartbeat): the ``least_loaded`` cost, and what
             ``round_robin`` and ``random`` saw without using it.
@@ -66,6 +70,7 @@ class CandidateCost(BaseModel):
     prefill_blocks: float | None = None
     queued_prefill_blocks: float | None = None
     decode_requests: int | None = None
+    stall_exposure: float | None = None
     load: int | None = None
     cost: float | None = None
 

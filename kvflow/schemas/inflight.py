@@ -33,7 +33,11 @@ class RequestAdmitted(Record):
     expected to compute: ``prompt_tokens`` minus the routing decision's
     cached overlap (``overlap_blocks × block_size``), the whole prompt for
     a remote prefill, 0 for a decode stage (its KV comes from the prefill
-    worker).
+    worker). ``max_tokens`` is the most output tokens the worker will decode
+    for it (the request's ``sampling.max_tokens``; 0 for a remote prefill,
+    which decodes none, and when unknown): the router weighs how much a new
+    prefill on this worker would stretch the request's inter-token latency
+    by it (:mod:`kvflow.router.kv_policy`, ``stall_exposure``).
     """
 
     type: Literal["admitted"] = "admitted"
@@ -43,6 +47,7 @@ class RequestAdmitted(Record):
     request_id: str = Field(min_length=1)
     prompt_tokens: int = Field(ge=0, default=0)
     prefill_tokens: int = Field(ge=0, default=0)
+    max_tokens: int = Field(ge=0, default=0)
     ts_ms: int = Field(ge=0)
 
 

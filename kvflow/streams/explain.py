@@ -76,6 +76,7 @@ _TERMS = (  # (column, CandidateCost field)
     ("prefill_blocks", "prefill_blocks"),
     ("queued_prefill", "queued_prefill_blocks"),
     ("decode_reqs", "decode_requests"),
+    ("stall_exposure", "stall_exposure"),
     ("load", "load"),
     ("cost", "cost"),
 )

@@ -49,7 +49,7 @@ class WorkerView:
     ``active_requests``, ``waiting_requests`` and ``active_prefill_tokens``
     (tokens) are the heartbeat's figures. The router reconciles them with
     the requests the worker ended since (:mod:`kvflow.router.inflight`),
-    and fills the two fields a heartbeat alone leaves at their defaults:
+    and fills the three fields a heartbeat alone leaves at their defaults:
 
     ``routed_since_heartbeat`` counts requests on the worker that the
     heartbeat's figures leave out: for a worker publishing inflight
@@ -59,6 +59,11 @@ class WorkerView:
     ``routed_prefill_tokens`` is the prompt tokens those requests are
     expected to compute (tracked workers), or None (unknown: the router's
     cost assumes each is as large as the request being routed).
+    ``stall_exposure`` (ms of mean inter-token latency per ms of prefill,
+    summed over the requests the worker holds) is how much a new prefill
+    placed there would stretch the per-request ITL of those requests in
+    all (:func:`kvflow.router.inflight.stall_exposure`); 0 for workers
+    publishing no inflight records.
 
     ``tokenizer`` is the tokenizer spec producers tokenize prompts with;
     ``context_length`` the longest sequence (tokens) the worker serves, or
@@ -84,6 +89,7 @@ class WorkerView:
     ttl_ms: int
     routed_since_heartbeat: int = 0
     routed_prefill_tokens: int | None = None
+    stall_exposure: float = 0.0
     tokenizer: str = "bytes"
     context_length: int | None = None
     pool: str = ""

@@ -522,23 +522,27 @@ class Worker:
         """Tell the routers this worker holds ``request`` (:class:`RequestAdmitted` on the
         inflight topic; see :mod:`kvflow.router.inflight`). ``prefill_tokens``: the prompt
         less the routing decision's cached overlap; the whole prompt for a remote prefill;
-        0 for a decode stage. Raises nothing but cancellation: a lost record is
-        reconciled by the next heartbeat."""
+        0 for a decode stage. ``max_tokens``: the request's output cap; 0 for a remote
+        prefill (its decode worker decodes it). Raises nothing but cancellation: a lost
+        record is reconciled by the next heartbeat."""
         seq, self.lifecycle_seq = self.lifecycle_seq, self.lifecycle_seq + 1
         prompt = len(request.token_ids) if request.token_ids else 0
         try:
             stage = parse_stage(request.disaggregated_params)
         except ValueError:
             stage = None  # _generate answers the malformed stage
+        decoded = request.sampling.max_tokens
         if isinstance(stage, DecodeStage):
             prefill = 0
         elif isinstance(stage, PrefillStage) or request.routing is None:
             prefill = prompt
+            if isinstance(stage, PrefillStage):
+                decoded = 0  # the decode worker decodes it
         else:
             prefill = max(0, prompt - request.routing.overlap_blocks * self.engine.block_size)
         await self._publish_lifecycle(RequestAdmitted(
             worker_id=self.config.worker_id, started_ms=self.started_ms, seq=seq, request_id=request.request_id,
-            prompt_tokens=prompt, prefill_tokens=prefill, ts_ms=now_ms()))
+            prompt_tokens=prompt, prefill_tokens=prefill, max_tokens=decoded, ts_ms=now_ms()))
 
     async def _publish_finished(self, request: InferenceRequest, cancelled: bool) -> None:
         """Tell the routers ``request`` ended here (:class:`RequestFinished`), after
