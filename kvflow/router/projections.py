@@ -20,7 +20,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from kvflow.settings import Settings
 from kvflow.streams.catalog import TopicSpec
-from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer, start_consumer
 
 __all__ = ["Follow", "follow_topics"]
 
@@ -63,7 +63,7 @@ async def follow_topics(settings: Settings, follows: list[Follow], *, policies: 
     judges liveness from heartbeats). Runs until cancelled.
     """
     consumer = make_consumer(settings, auto_offset_reset="earliest")
-    await consumer.start()
+    await start_consumer(consumer)
     hot_topics = {f.spec.name for f in follows if f.hot}
     policy = adapt_fetch_wait(consumer, settings, hot_topics.__contains__ if hot_topics else NOT_HOT,
                               idle_cap=idle_cap)

@@ -28,7 +28,7 @@ from aiokafka import ConsumerRecord
 
 from kvflow.schemas import RecordError
 from kvflow.settings import Settings
-from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, NOT_HOT, adapt_fetch_wait, make_consumer, start_consumer
 
 __all__ = ["VALIDATE_PACE_S", "VALIDATE_SESSION_FACTOR", "validate_paced"]
 
@@ -79,7 +79,7 @@ async def validate_paced(settings: Settings, group_id: str, checks: dict[str, Ch
     consumer = make_consumer(settings, *checks, group_id=group_id, auto_offset_reset="earliest",
                              session_timeout_ms=session_ms, heartbeat_interval_ms=max(100, session_ms // 3),
                              auto_commit_interval_ms=max(100, session_ms // 3))
-    await consumer.start()
+    await start_consumer(consumer)  # a router stopped while this member joins must not leave it running
     if consumers is not None:
         consumers.append(consumer)
     try:

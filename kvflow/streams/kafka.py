@@ -7,6 +7,7 @@ security of :mod:`kvflow.streams.kafka_security` apply in one place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from kvflow.streams.fetch_wait import FetchWaitPolicy, install, woken
 from kvflow.streams.kafka_security import client_security
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
-__all__ = ["make_producer", "make_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
+__all__ = ["make_producer", "make_consumer", "start_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
            "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT",
            "FOLLOW_POLL_MS"]
 
@@ -73,6 +74,23 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None = None,
     opts.update(consumer_overrides(settings.embedded_broker, settings.fetch_max_wait_ms))
     opts.update(kwargs)
     return AIOKafkaConsumer(*topics, **opts)
+
+
+async def start_consumer(consumer: AIOKafkaConsumer) -> None:
+    """Start ``consumer``; when starting fails or is cancelled, stop it, then re-raise.
+
+    aiokafka leaves a consumer whose ``start()`` was interrupted (a group
+    member cancelled while joining, say, when a router stops seconds after
+    starting) with its client's metadata task and group coordinator
+    running: it reconnects for ever to a broker that may be gone. Errors of
+    the clean-up are suppressed so the original error is the one raised.
+    """
+    try:
+        await consumer.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+        raise
 
 
 def NOT_HOT(topic: str) -> bool:

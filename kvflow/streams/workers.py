@@ -34,7 +34,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from kvflow.schemas import RecordError, WorkerHeartbeat, WorkerRole, WorkerStatus, decode, now_ms
 from kvflow.settings import Settings
 from kvflow.streams.catalog import Catalog
-from kvflow.streams.kafka import FOLLOW_POLL_MS, make_consumer
+from kvflow.streams.kafka import FOLLOW_POLL_MS, make_consumer, start_consumer
 
 __all__ = ["WorkerView", "Workers", "assign_workers_topic", "catch_up", "follow_workers", "read_workers",
            "liveness_idle_wait_ms", "liveness_wait"]
@@ -252,7 +252,7 @@ async def read_workers(settings: Settings, catalog: Catalog, idle_ms: int = 300,
         aiokafka.errors.KafkaError: the broker cannot be reached.
     """
     consumer = make_consumer(settings)
-    await consumer.start()
+    await start_consumer(consumer)
     try:
         await assign_workers_topic(consumer, catalog)
         workers = Workers()
