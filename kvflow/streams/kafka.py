@@ -24,9 +24,8 @@ from kvflow.streams.fetch_wait import FetchWaitPolicy, install, woken
 from kvflow.streams.kafka_security import client_security
 from kvflow.streams.tansu_compat import consumer_overrides, producer_overrides
 
-__all__ = ["make_producer", "make_consumer", "start_consumer", "create_topics", "DeadLetterWriter", "decode_record", "bootstrap",
-           "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT",
-           "FOLLOW_POLL_MS"]
+__all__ = ["make_producer", "make_consumer", "start_consumer", "create_topics", "DeadLetterWriter", "decode_record",
+           "bootstrap", "fetch_wait_policy", "adapt_fetch_wait", "open_doorbell", "NOT_HOT", "FOLLOW_POLL_MS"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
