@@ -34,6 +34,7 @@ processes) as a child process group, then:
     python bench/live_path.py [--requests 300] [--workers 4] [--trace FILE] [--idle-s 60]
     python bench/live_path.py --requests 0 --settle-s 30     # the idle window only (no AIPerf needed)
         [--py-spy-dir DIR]   # also record py-spy flame graphs of bridge+router, a worker and ...
+        [--stages-out FILE]  # also write each answered request's stages (ms), one JSON line each
 
 AIPerf comes from ``$KVFLOW_AIPERF`` or ``.venv-aiperf/bin/aiperf`` (docs/aiperf.md).
 Last stdout line: one JSON object with the figures.
@@ -178,9 +179,11 @@ def find_aiperf() -> str | None:
     return str(local) if local.exists() else None
 
 
-def stage_breakdown(bootstrap: str, namespace: str) -> dict:
+def stage_breakdown(bootstrap: str, namespace: str, per_request: Path | None = None) -> dict:
     """Per-stage latency percentiles (ms) from the requests and responses topics, and the records
-    each topic of the namespace holds (``topic_records``)."""
+    each topic of the namespace holds (``topic_records``). With ``per_request``, also writes one
+    JSON line per answered request there (its id, ISL, worker and stages, ms), to find which
+    requests make a tail."""
     import asyncio
 
     from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -216,6 +219,7 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
                                           "engine_to_first_token": [], "created_to_first_token": [],
                                           "engine_itl": []}
         deltas = finals = 0
+        rows = []
         for msg in responses:
             try:
                 rec = json.loads(msg.value)
@@ -237,6 +241,14 @@ def stage_breakdown(bootstrap: str, namespace: str) -> dict:
             tokens = (rec.get("usage") or {}).get("completion_tokens", 0)
             if tokens > 1 and t.get("finished_ms"):  # the worker's view of AIPerf's per-request ITL
                 stages["engine_itl"].append(round((t["finished_ms"] - t["first_token_ms"]) / (tokens - 1), 2))
+            if per_request is not None:
+                rows.append({"request_id": rec.get("request_id"), "created_ms": c,
+                             "isl": (rec.get("usage") or {}).get("prompt_tokens"), "osl": tokens,
+                             "worker_id": rec.get("worker_id"),
+                             **{k: v[-1] for k, v in stages.items() if k != "engine_itl" and v}})
+        if per_request is not None:
+            rows.sort(key=lambda row: row["created_ms"])
+            per_request.write_text("".join(json.dumps(row) + "\n" for row in rows))
         out = {k: {"p50": pct(v, 50), "p99": pct(v, 99), "mean": round(statistics.fmean(v), 1) if v else None}
                for k, v in stages.items()}
         out["responses_records"] = {"deltas": deltas, "finals": finals}
@@ -342,6 +354,8 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=10.0)
     ap.add_argument("--py-spy-dir", type=Path, default=None)
     ap.add_argument("--py-spy-s", type=int, default=60)
+    ap.add_argument("--stages-out", type=Path, default=None,
+                    help="Also write each answered request's stages (ms) to this JSONL file")
     ap.add_argument("--max-input-length", type=int, default=None)
     ap.add_argument("--window-s", type=float, default=30.0,
                     help="window of cpu_s_per_1k_output_tokens_by_window (CPU over output tokens finished)")
@@ -433,7 +447,8 @@ def main() -> None:
                 events = counter_totals(state["metrics_url"], "kvflow_router_events", "event")
                 result["router_events"] = {k: int(events.get(k, 0)) for k in ("decisions", "kv_waits",
                                                                             "kv_wait_timeouts")}
-            result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"))
+            result["stages_ms"] = stage_breakdown(state["bootstrap_servers"], state.get("namespace", "kvflow"),
+                                                  args.stages_out)
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:
