@@ -1,5 +1,6 @@
 """The bridge's tokenize pool: child processes give the ids the bridge's own
-tokenizer gives, count their chunk-cache hits, report template errors, and a
+tokenizer gives, count their chunk-cache hits, report template errors, take
+waiting prompts in turn (a short prompt does not wait for a busy child), and a
 dead child loses no request."""
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import sys
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from kvflow.models.tokenizer import load_tokenizer
 from kvflow.schemas import ChatMessage
 from kvflow.streams.bridge import tokenize_worker
-from kvflow.streams.bridge.tokenize_pool import TokenizePool, _Child, job_chars, pooled
+from kvflow.streams.bridge.metrics import BridgeMetrics
+from kvflow.streams.bridge.tokenize_pool import INLINE_CHARS, TokenizePool, _Child, job_chars, pooled
 from kvflow.streams.bridge.tokenizers import TokenizerCache, encode_chat, encode_prompt
 
 SPEC = "SmolLM2-135M-Instruct"
@@ -57,32 +60,89 @@ async def test_pool_ids_equal_the_bridges_own_tokenizer_and_count_cache_hits(poo
     assert cache.chunk_chars()[SPEC] == (own_hit + pool.chunk_chars[SPEC][0], own_encoded + pool.chunk_chars[SPEC][1])
 
 
-async def test_a_short_prompt_goes_to_the_child_with_less_work_not_behind_a_long_one(local):
-    # One long prompt on one child, one short on the other: a second short prompt joins the short
-    # one (both children hold one job), so it is answered before the long prompt is.
-    two = TokenizePool(2)
+LONG = " ".join(f"chapter {i}: the quick brown fox jumps over the lazy dog." for i in range(30_000))
+MEDIUM_A = " ".join(f"section {i}: a lazy dog sleeps under the old oak tree." for i in range(800))  # ~44k chars
+MEDIUM_B = " ".join(f"part {i}: the brown fox runs across the field." for i in range(450))  # ~21k chars
+
+
+async def _run_in_order(pool: TokenizePool, local, jobs: list[tuple[str, str]]) -> tuple[list[str], dict]:
+    """Submit ``jobs`` (name, text) one after another; returns the names in the order answered, and the ids."""
+    done: list[str] = []
+    ids: dict[str, list[int]] = {}
+
+    async def run(name: str, text: str) -> None:
+        ids[name] = await pool.encode_prompt(SPEC, text, local)
+        done.append(name)
+
+    await asyncio.gather(*(asyncio.create_task(run(name, text)) for name, text in jobs))
+    return done, ids
+
+
+async def test_waiting_prompts_go_to_a_free_child_in_turn_and_a_short_one_does_not_wait(local):
+    pool = TokenizePool(1)
     try:
-        assert await two.warm(SPEC)
-        done: list[str] = []
-
-        async def run(name: str, text: str) -> list[int]:
-            ids = await two.encode_prompt(SPEC, text, local)
-            done.append(name)
-            return ids
-
-        long_text = " ".join(f"chapter {i}: the quick brown fox jumps over the lazy dog." for i in range(30_000))
-        jobs = [asyncio.create_task(run("long", long_text)),
-                asyncio.create_task(run("short1", "A short question about foxes.")),
-                asyncio.create_task(run("short2", "Another short question, about dogs."))]
-        ids = await asyncio.gather(*jobs)
-        assert ids[2] == local.encode_prompt("Another short question, about dogs.")
-        assert done.index("short2") < done.index("long"), done
-        assert all(not c.sizes for c in two._children)
+        assert await pool.warm(SPEC)
+        assert len(MEDIUM_B) > INLINE_CHARS
+        jobs = [("long", LONG), ("medium_a", MEDIUM_A), ("short", "A short question."), ("medium_b", MEDIUM_B)]
+        done, ids = await _run_in_order(pool, local, jobs)
+        # The long prompt took the child; the two others waited for it, first come first served.
+        assert [name for name in done if name != "short"] == ["long", "medium_a", "medium_b"], done
+        # The short one found the child busy and was encoded in this process instead of waiting.
+        assert pool.inline == 1 and pool.fallbacks == 0
+        for name, text in jobs:
+            assert ids[name] == local.encode_prompt(text), name
+        assert not pool._waiting and all(not c.pending for c in pool._children)
+        # With the child free again, a short prompt goes to it.
+        assert await pool.encode_prompt(SPEC, "Another short one.", local) == local.encode_prompt("Another short one.")
+        assert pool.inline == 1
+        # The bridge's /metrics says where the prompts were encoded.
+        metrics, cache = BridgeMetrics(), TokenizerCache(pool=pool)
+        metrics.track_tokenizers(cache.chunk_chars, cache.pool_jobs)
+        scrape = generate_latest(metrics.registry).decode()
+        for path, count in (("child", 4), ("inline", 1), ("fallback", 0)):
+            assert f'kvflow_bridge_tokenize_jobs_total{{path="{path}"}} {count}.0' in scrape, scrape
     finally:
-        await two.close()
+        await pool.close()
     assert job_chars("prompt", "abc") == 3
     assert job_chars("chat", [{"role": "user", "content": "ab"}, {"role": "user", "content": None}]) == 2
     assert job_chars("warm", None) == 0
+
+
+async def test_a_prompt_whose_caller_left_is_not_sent_to_a_child(local):
+    pool = TokenizePool(1)
+    try:
+        assert await pool.warm(SPEC)
+        long = asyncio.create_task(pool.encode_prompt(SPEC, LONG, local))
+        gone = asyncio.create_task(pool.encode_prompt(SPEC, MEDIUM_A, local))
+        deadline = time.monotonic() + 60
+        while len(pool._waiting) < 1:  # the long prompt on the child, the other waiting for it
+            assert time.monotonic() < deadline, "the prompt never queued"
+            await asyncio.sleep(0.01)
+        gone.cancel()
+        assert await long == local.encode_prompt(LONG)
+        # The child, free again, was given nothing: the waiting prompt's caller had left.
+        assert gone.cancelled() and not pool._waiting and all(not c.pending for c in pool._children)
+        assert await pool.encode_prompt(SPEC, MEDIUM_B, local) == local.encode_prompt(MEDIUM_B)
+    finally:
+        await pool.close()
+
+
+async def test_prompts_waiting_for_a_child_that_dies_are_tokenized_by_the_bridge(local):
+    pool = TokenizePool(1)
+    try:
+        assert await pool.warm(SPEC)
+        (pid,) = pool.pids()
+        tasks = [asyncio.create_task(pool.encode_prompt(SPEC, text, local)) for text in (LONG, MEDIUM_A, MEDIUM_B)]
+        deadline = time.monotonic() + 60
+        while len(pool._waiting) < 2:  # the long prompt on the child, the other two waiting for it
+            assert time.monotonic() < deadline, "the prompts never queued"
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        answers = await asyncio.gather(*tasks)
+        assert answers == [local.encode_prompt(text) for text in (LONG, MEDIUM_A, MEDIUM_B)]
+        assert pool.fallbacks == 3 and pool.pids() == [] and not pool._waiting
+    finally:
+        await pool.close()
 
 
 async def test_byte_tokenizer_specs_stay_in_process(pool):

@@ -24,6 +24,10 @@ requests whose client disconnected before the final response
 characters whose ids came from a tokenizer's chunk cache (``cache``) or were
 encoded (``encoded``): the share a resent chat history saves
 (:mod:`kvflow.models.chunked_encode`).
+``kvflow_bridge_tokenize_jobs_total{path}`` counts the prompts the tokenize
+pool took by where they were encoded: ``child``, ``inline`` (a short prompt
+encoded in the bridge's process because every child was busy) or
+``fallback`` (the pool failed; :mod:`kvflow.streams.bridge.tokenize_pool`).
 
 ``kvflow_bridge_outcomes_total{endpoint, outcome, reason}`` gives every
 request its one terminal outcome (:func:`outcome`): ``completed`` (reason:
@@ -141,16 +145,20 @@ class BridgeMetrics:
             self._tracking = workers
             self.registry.register(_PrefillPoolCollector(workers))
 
-    def track_tokenizers(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]]) -> None:
+    def track_tokenizers(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]],
+                         pool_jobs: Callable[[], dict[str, int]] | None = None) -> None:
         """Expose ``kvflow_bridge_tokenize_chars_total{tokenizer, source}``:
         prompt characters taken from a tokenizer's chunk cache
         (``source="cache"``) or encoded (``"encoded"``), read at each scrape
         from ``chunk_chars() -> {spec: (cache, encoded)}``
         (:meth:`~kvflow.streams.bridge.tokenizers.TokenizerCache.chunk_chars`;
-        see :mod:`kvflow.models.chunked_encode`). Call once; later calls are ignored."""
+        see :mod:`kvflow.models.chunked_encode`), and with ``pool_jobs``
+        ``kvflow_bridge_tokenize_jobs_total{path}`` from ``pool_jobs() -> {path: count}``
+        (:meth:`~kvflow.streams.bridge.tokenizers.TokenizerCache.pool_jobs`).
+        Call once; later calls are ignored."""
         if not self._tracking_tokenizers:
             self._tracking_tokenizers = True
-            self.registry.register(_ChunkCacheCollector(chunk_chars))
+            self.registry.register(_ChunkCacheCollector(chunk_chars, pool_jobs or dict))
 
     def observe_final(self, model: str, final: FinalResponse) -> None:
         """Count where a successful request's prefill ran and how its KV moved."""
@@ -168,8 +176,10 @@ class BridgeMetrics:
 class _ChunkCacheCollector(Collector):
     """Scrape-time counters of the tokenizers' chunk caches."""
 
-    def __init__(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]]) -> None:
+    def __init__(self, chunk_chars: Callable[[], dict[str, tuple[int, int]]],
+                 pool_jobs: Callable[[], dict[str, int]]) -> None:
         self.chunk_chars = chunk_chars
+        self.pool_jobs = pool_jobs
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         chars = CounterMetricFamily("kvflow_bridge_tokenize_chars",
@@ -179,6 +189,13 @@ class _ChunkCacheCollector(Collector):
             chars.add_metric([spec, "cache"], float(hit))
             chars.add_metric([spec, "encoded"], float(miss))
         yield chars
+        jobs = CounterMetricFamily("kvflow_bridge_tokenize_jobs",
+                                   "Prompts the tokenize pool took, by where they were encoded "
+                                   "(child, inline: every child busy, fallback: the pool failed).",
+                                   labels=["path"])
+        for path, count in sorted(self.pool_jobs().items()):
+            jobs.add_metric([path], float(count))
+        yield jobs
 
 
 class _PrefillPoolCollector(Collector):

@@ -120,7 +120,7 @@ class BridgeState:
         if self.retry_after_s <= 0:
             self.retry_after_s = math.ceil(self.settings.worker_ttl_ms / 1000)
         self.metrics.track_workers(self.registry)
-        self.metrics.track_tokenizers(self.tokenizers.chunk_chars)
+        self.metrics.track_tokenizers(self.tokenizers.chunk_chars, self.tokenizers.pool_jobs)
 
 
 def admit(state: BridgeState) -> bool:

@@ -13,11 +13,16 @@ children cost some CPU (their encoding and the pipes).
 A :class:`TokenizePool` runs the chat template and the encoding in
 ``processes`` children (:mod:`kvflow.streams.bridge.tokenize_worker`, started
 with ``python -m``, so nothing of the bridge's main module, threads or
-sockets is inherited), each job on the child with the fewest prompt
-characters in flight (a child works its jobs one after another, and a burst
-of prompts mixes sizes: on the Mooncake slice up to 16 arrive at once, of
-900 to 120,000 tokens, so counting jobs would queue a short prompt behind a
-long one while the other child holds two short ones).
+sockets is inherited). A child holds one job at a time; the others wait in
+the bridge, in arrival order, for the first child that answers. A short
+prompt (``INLINE_CHARS`` or fewer characters) that finds every child busy is
+encoded at once in a thread of the bridge's own process instead of waiting.
+Bursts mix sizes: on the Mooncake slice up to 16 prompts of 900 to 120,000
+tokens arrive at once, and when each job went straight to the child with the
+fewest characters in flight, 67 of 93 prompts under 20,000 characters found
+a job ahead of them in their child and waited 171 ms for an answer (median)
+where their own encoding took 7 (docs/benchmarks.md, "Short prompts do not
+wait for long ones").
 Jobs and answers travel as frames on the children's stdin and stdout, read by
 one asyncio task per child: no thread of the bridge is involved. Only Hugging
 Face tokenizers go there (:func:`pooled`): the byte tokenizer of the mocker
@@ -45,6 +50,7 @@ import pickle
 import sys
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +58,7 @@ from typing import Any
 from kvflow.aio import wait_or_kill
 from kvflow.streams.bridge.tokenize_worker import HEADER, frame
 
-__all__ = ["TokenizePool", "pooled", "job_chars", "RETRY_AFTER_S", "TokenizePoolError"]
+__all__ = ["TokenizePool", "pooled", "job_chars", "RETRY_AFTER_S", "INLINE_CHARS", "TokenizePoolError"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,12 @@ RETRY_AFTER_S = 30.0
 """After a child of the pool dies (or cannot start), prompts are tokenized in
 the bridge's own process for this long before new children are started, so a
 pool that cannot start does not cost a process start per request."""
+
+
+INLINE_CHARS = 16_384
+"""Prompts of at most this many characters (~4,000 tokens of English, ~5 ms
+of encoding) are encoded in a thread of the bridge's process when no child
+is free, rather than waiting for a child to finish a long prompt."""
 
 
 class TokenizePoolError(RuntimeError):
@@ -76,9 +88,14 @@ class _Child:
     proc: asyncio.subprocess.Process
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     reader: asyncio.Task | None = None
-    sizes: dict[int, int] = field(default_factory=dict)
-    """Characters of each job in flight (job id → size): the work this child
-    has been given and not answered."""
+
+
+@dataclass
+class _Job:
+    job_id: int
+    work: tuple[str, str, Any]
+    """(spec, kind, payload), as the child reads them."""
+    future: asyncio.Future
 
 
 def job_chars(kind: str, payload: Any) -> int:
@@ -113,6 +130,11 @@ class TokenizePool:
         self.fallbacks = 0
         """Jobs tokenized in the caller's process instead: the pool failed them,
         or a child had died less than ``RETRY_AFTER_S`` before."""
+        self.inline = 0
+        """Short prompts encoded in the caller's process because every child was busy."""
+        self.answered = 0
+        """Jobs a child answered with ids (loads not counted)."""
+        self._waiting: deque[_Job] = deque()
         self._broken_until = -math.inf
 
     def pids(self) -> list[int]:
@@ -143,9 +165,9 @@ class TokenizePool:
                 head = await stream.readexactly(HEADER.size)
                 job_id, status, value, hit, miss = pickle.loads(await stream.readexactly(HEADER.unpack(head)[0]))
                 future = child.pending.pop(job_id, None)
-                child.sizes.pop(job_id, None)
                 if future is not None and not future.done():
                     future.set_result((status, value, hit, miss))
+                self._dispatch()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the child exited
         finally:
@@ -161,24 +183,60 @@ class TokenizePool:
             if not future.done():
                 future.set_exception(TokenizePoolError(f"tokenize child {child.proc.pid} ended"))
         child.pending.clear()
-        child.sizes.clear()
+        if not self._children:  # nobody left to take the waiting jobs: their callers tokenize them
+            waiting, self._waiting = self._waiting, deque()
+            for job in waiting:
+                if not job.future.done():
+                    job.future.set_exception(TokenizePoolError("no tokenize child is running"))
+        else:
+            self._dispatch()
+
+    def _idle(self) -> bool:
+        """Whether some running child holds no job."""
+        return any(not c.pending and c.proc.returncode is None for c in self._children)
+
+    def _next_job(self) -> _Job | None:
+        """Take the oldest waiting job whose caller still waits; None if none does."""
+        while self._waiting:
+            job = self._waiting.popleft()
+            if not job.future.done():  # else its caller was cancelled (e.g. the client left)
+                return job
+        return None
+
+    def _dispatch(self) -> None:
+        """Give each free child the next waiting job."""
+        for child in list(self._children):
+            if child.pending or child.proc.returncode is not None:
+                continue
+            job = self._next_job()
+            if job is None:
+                return
+            self._send(child, job.job_id, job.work, job.future)
+
+    def _send(self, child: _Child, job_id: int, work: tuple[str, str, Any], future: asyncio.Future) -> None:
+        child.pending[job_id] = future
+        try:
+            # One job per child, so what the pipe does not take at once stays in the
+            # transport's buffer (one prompt) and goes out as the child reads.
+            child.proc.stdin.write(frame((job_id, *work)))
+        except (ConnectionError, RuntimeError):  # the child is gone; its reader may not know yet
+            self._lost(child)
 
     async def _run(self, spec: str, kind: str, payload: Any, child: _Child | None = None) -> tuple[str, Any, int, int]:
-        if child is None:
-            children = await self._ready()
-            if not children:
-                raise TokenizePoolError("no tokenize child is running")
-            child = min(children, key=lambda c: (sum(c.sizes.values()), len(c.pending)))
+        """Answer of one job: on ``child`` now (a load), else on the next free child.
+
+        Raises:
+            TokenizePoolError: no child runs, or the child died with the job.
+        """
         job_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        child.pending[job_id] = future
-        child.sizes[job_id] = job_chars(kind, payload)
-        try:
-            child.proc.stdin.write(frame((job_id, spec, kind, payload)))
-            await child.proc.stdin.drain()
-        except (ConnectionError, RuntimeError) as exc:  # the child is gone; its reader may not know yet
-            self._lost(child)
-            raise TokenizePoolError(f"tokenize child {child.proc.pid} is gone: {exc!r}") from exc
+        if child is not None:
+            self._send(child, job_id, (spec, kind, payload), future)
+            return await future
+        if not await self._ready():
+            raise TokenizePoolError("no tokenize child is running")
+        self._waiting.append(_Job(job_id, (spec, kind, payload), future))
+        self._dispatch()
         return await future
 
     async def warm(self, spec: str) -> bool:
@@ -216,6 +274,9 @@ class TokenizePool:
         if time.monotonic() < self._broken_until:
             self.fallbacks += 1
             return await asyncio.to_thread(in_process)
+        if self._children and not self._idle() and job_chars(kind, payload) <= INLINE_CHARS:
+            self.inline += 1
+            return await asyncio.to_thread(in_process)
         try:
             status, value, hit, miss = await self._run(spec, kind, payload)
         except (TokenizePoolError, OSError) as exc:  # the pool must not lose the request
@@ -230,6 +291,7 @@ class TokenizePool:
             self.fallbacks += 1
             log.warning("tokenize pool: %s; tokenizing in the bridge's process", value)
             return await asyncio.to_thread(in_process)
+        self.answered += 1
         counts = self.chunk_chars.setdefault(spec, [0, 0])
         counts[0] += hit
         counts[1] += miss

@@ -77,6 +77,16 @@ class TokenizerCache:
             out[spec] = (own[0] + hit, own[1] + miss)
         return out
 
+    def pool_jobs(self) -> dict[str, int]:
+        """Prompts the pool took, by where they were encoded: ``child`` (a
+        child answered), ``inline`` (a thread of this process, every child
+        busy; :data:`~kvflow.streams.bridge.tokenize_pool.INLINE_CHARS`),
+        ``fallback`` (a thread of this process, the pool failed); empty
+        without a pool."""
+        if self.pool is None:
+            return {}
+        return {"child": self.pool.answered, "inline": self.pool.inline, "fallback": self.pool.fallbacks}
+
 
 async def encode_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, pool: TokenizePool | None = None,
                       spec: str | None = None) -> list[int]:
