@@ -338,3 +338,37 @@ async def test_an_offset_lookup_cuts_a_parked_fetch(kafka, waiter):
         reader.cancel()
     finally:
         await consumer.stop()
+
+
+async def test_a_fetch_routine_that_finds_a_stale_in_flight_mark_looks_again_at_once(kafka, waiter):
+    """The state a cut left on the router's request reader (docs/benchmarks.md, "Requests that
+    waited 2 s on one hop"): its node still marked in flight with no fetch task running. The
+    routine must look again at once, not sleep its tick; with a fetch really in flight, the
+    tick stands."""
+    from aiokafka import TopicPartition
+
+    from kvflow.streams.fetch_wait import STALE_RECHECK_S
+    from kvflow.streams.kafka import make_consumer
+    from kvflow.streams.tansu_compat import FETCHER_TIMEOUT_MS
+
+    kafka_settings, catalog = kafka
+    consumer = make_consumer(kafka_settings)
+    await consumer.start()
+    try:
+        t = TopicPartition(catalog.metrics.name, 0)
+        consumer.assign([t])
+        assert adapt_fetch_wait(consumer, kafka_settings) is not None
+        fetcher = consumer._fetcher
+        await waiter(lambda: fetcher._in_flight and any(not task.done() for task in fetcher._pending_tasks),
+                     timeout_s=60)
+        assignment = fetcher._subscriptions.subscription.assignment
+        # No await from here to the end of the block: the fetch routine cannot run in between.
+        assert fetcher._get_actions_per_node(assignment)[2] == FETCHER_TIMEOUT_MS / 1000  # a fetch in flight
+        running, fetcher._pending_tasks = fetcher._pending_tasks, set()  # as if it had just ended
+        try:
+            fetches, _, timeout, _, _ = fetcher._get_actions_per_node(assignment)
+        finally:
+            fetcher._pending_tasks = running
+        assert not fetches and timeout == STALE_RECHECK_S
+    finally:
+        await consumer.stop()

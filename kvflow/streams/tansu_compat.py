@@ -60,8 +60,11 @@ process of ``kvflow up``, 5 in each worker, with nothing to fetch). A 10 s
 tick was tried together with a 30 s ``getmany`` in the client's responses
 reader: in one Mooncake run of two, every stream's first token waited for
 the same moment, 9 s after the stall began, with no gap in a partition
-logged. Both were put back; the cause (some state in which nothing wakes
-the routine) is not found, and this tick bounds it."""
+logged. Both were put back. The state was found later: after a cut the
+routine could look at its partitions before the cut task's done callback had
+cleared the broker's in-flight mark, send nothing and sleep this whole tick;
+:data:`kvflow.streams.fetch_wait.STALE_RECHECK_S` covers it, and this tick
+still bounds any other such state."""
 
 
 def consumer_overrides(embedded: bool, fetch_max_wait_ms: int = 5) -> dict[str, Any]:
