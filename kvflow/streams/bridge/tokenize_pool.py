@@ -191,9 +191,9 @@ class TokenizePool:
         else:
             self._dispatch()
 
-    def _idle(self) -> bool:
-        """Whether some running child holds no job."""
-        return any(not c.pending and c.proc.returncode is None for c in self._children)
+    def _free(self) -> list[_Child]:
+        """The running children that hold no job."""
+        return [c for c in self._children if not c.pending and c.proc.returncode is None]
 
     def _next_job(self) -> _Job | None:
         """Take the oldest waiting job whose caller still waits; None if none does."""
@@ -205,9 +205,7 @@ class TokenizePool:
 
     def _dispatch(self) -> None:
         """Give each free child the next waiting job."""
-        for child in list(self._children):
-            if child.pending or child.proc.returncode is not None:
-                continue
+        for child in self._free():
             job = self._next_job()
             if job is None:
                 return
@@ -274,7 +272,7 @@ class TokenizePool:
         if time.monotonic() < self._broken_until:
             self.fallbacks += 1
             return await asyncio.to_thread(in_process)
-        if self._children and not self._idle() and job_chars(kind, payload) <= INLINE_CHARS:
+        if self._children and not self._free() and job_chars(kind, payload) <= INLINE_CHARS:
             self.inline += 1
             return await asyncio.to_thread(in_process)
         try:
