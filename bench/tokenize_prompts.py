@@ -1,14 +1,16 @@
-"""Prompt tokenization on the bridge: whole-text encoding against chunked, cached encoding.
+"""Prompt tokenization on the bridge: whole text, chunks and cache, and tiktoken, side by side.
 
 Builds chat prompts from a Mooncake-format trace the way a load generator
 does: each ``hash_ids`` entry names one ~512-token block of text (English
 words drawn from a generator seeded by the id, so equal ids give equal text
 and requests that share ids share a prefix). Each prompt goes through
-SmolLM2's chat template, then is encoded twice, side by side in one run:
-whole (one ``encode_batch_fast`` call, what the bridge did before) and
-through :class:`kvflow.models.chunked_encode.ChunkCache` (what
-``HfTokenizer`` does now), in arrival order so the cache sees the trace's
-prefix reuse. Checks that both give the same ids; reports CPU ms per request
+SmolLM2's chat template, then is encoded three ways, side by side in one
+run: whole by Hugging Face ``tokenizers`` (one ``encode_batch_fast`` call),
+through :class:`kvflow.models.chunked_encode.ChunkCache` with ``tokenizers``
+encoding the chunks, and through a ``ChunkCache`` with ``tiktoken``
+encoding them (:mod:`kvflow.models.fast_bpe`; what ``HfTokenizer`` does
+now), in arrival order so the caches see the trace's prefix reuse. Checks
+that all three give the same ids; reports CPU ms per request
 (``time.process_time``: this thread's process, single-threaded tokenizer
 calls aside from Rust's own pool) and the cache's hit rate.
 
@@ -63,34 +65,44 @@ def main() -> None:
 
     tok = load_tokenizer("SmolLM2-135M-Instruct")
     assert isinstance(tok, HfTokenizer) and tok.chunk_cache is not None
-    cache = ChunkCache()
-    whole_ms: list[float] = []
-    chunked_ms: list[float] = []
+    tok.warm()
+    fast = tok._fast_encoding()
+    if fast is None:
+        raise SystemExit("tiktoken does not encode SmolLM2's tokenizer here (is tiktoken installed?)")
+
+    def hf_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    caches = {"chunked": ChunkCache(), "tiktoken": ChunkCache()}
+    ways = {"whole": lambda text: hf_batch([text])[0],
+            "chunked": lambda text: caches["chunked"].encode(text, hf_batch),
+            "tiktoken": lambda text: caches["tiktoken"].encode(text, tok._encode_batch)}
+    cpu_ms: dict[str, list[float]] = {way: [] for way in ways}
     tokens = 0
     for chat in prompts(args.trace, args.requests):
         text = tok._render_chat(chat)
-        t0 = time.process_time()
-        whole = tok._encode_batch([text])[0]
-        t1 = time.process_time()
-        chunked = cache.encode(text, tok._encode_batch)
-        t2 = time.process_time()
-        if chunked != whole:
-            raise SystemExit(f"chunked ids differ from whole ids on a {len(text)}-character prompt")
-        whole_ms.append((t1 - t0) * 1000)
-        chunked_ms.append((t2 - t1) * 1000)
-        tokens += len(whole)
-    n = len(whole_ms)
-    figures = {
-        "trace": args.trace.name, "requests": n, "mean_prompt_tokens": round(tokens / n),
-        "whole_cpu_ms_mean": round(statistics.fmean(whole_ms), 2), "whole_cpu_ms_p99": round(pct(whole_ms, 99), 2),
-        "chunked_cpu_ms_mean": round(statistics.fmean(chunked_ms), 2),
-        "chunked_cpu_ms_p99": round(pct(chunked_ms, 99), 2),
-        "cpu_ratio_whole_over_chunked": round(sum(whole_ms) / max(sum(chunked_ms), 1e-9), 2),
-        "cache_hit_chars_fraction": round(cache.hit_chars / max(cache.hit_chars + cache.miss_chars, 1), 3),
-        "same_ids": True,
-    }
-    print(f"{n} prompts, mean {figures['mean_prompt_tokens']} tokens: whole {figures['whole_cpu_ms_mean']} ms, "
-          f"chunked+cached {figures['chunked_cpu_ms_mean']} ms of CPU per prompt")
+        ids = {}
+        for way, encode in ways.items():
+            t0 = time.process_time()
+            ids[way] = encode(text)
+            cpu_ms[way].append((time.process_time() - t0) * 1000)
+        if not ids["whole"] == ids["chunked"] == ids["tiktoken"]:
+            raise SystemExit(f"the ids differ on a {len(text)}-character prompt")
+        tokens += len(ids["whole"])
+    n = len(cpu_ms["whole"])
+    figures: dict = {"trace": args.trace.name, "requests": n, "mean_prompt_tokens": round(tokens / n)}
+    for way, values in cpu_ms.items():
+        figures[f"{way}_cpu_ms_mean"] = round(statistics.fmean(values), 2)
+        figures[f"{way}_cpu_ms_p99"] = round(pct(values, 99), 2)
+        figures[f"{way}_cpu_us_per_token"] = round(sum(values) * 1000 / max(tokens, 1), 3)
+    figures["cpu_ratio_whole_over_chunked"] = round(sum(cpu_ms["whole"]) / max(sum(cpu_ms["chunked"]), 1e-9), 2)
+    figures["cpu_ratio_chunked_over_tiktoken"] = round(sum(cpu_ms["chunked"]) / max(sum(cpu_ms["tiktoken"]), 1e-9), 2)
+    cache = caches["tiktoken"]
+    figures["cache_hit_chars_fraction"] = round(cache.hit_chars / max(cache.hit_chars + cache.miss_chars, 1), 3)
+    figures["same_ids"] = True
+    print(f"{n} prompts, mean {figures['mean_prompt_tokens']} tokens, CPU ms per prompt: whole "
+          f"{figures['whole_cpu_ms_mean']}, chunks+cache {figures['chunked_cpu_ms_mean']}, "
+          f"chunks+cache with tiktoken {figures['tiktoken_cpu_ms_mean']}")
     print(json.dumps(figures))
 
 

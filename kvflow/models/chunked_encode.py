@@ -2,8 +2,10 @@
 
 Chat traffic resends its history: turn *k+1*'s prompt is turn *k*'s prompt,
 the answer and a new question. Encoding it whole costs ~2.5 µs of CPU per
-token (SmolLM2's tokenizer, 27k-token prompt, on this project's 2-core test
-machine), the largest per-request cost of the bridge on long prompts. This
+token with Hugging Face ``tokenizers`` (SmolLM2's tokenizer, 27k-token
+prompt, on this project's 2-core test machine; ~0.6 µs with ``tiktoken``,
+:mod:`kvflow.models.fast_bpe`), the largest per-request cost of the bridge
+on long prompts. This
 module cuts the text at places where the tokenizer's pre-tokenizer always
 splits, encodes each chunk on its own, and keeps the chunks' ids in an LRU
 cache, so a shared prefix is encoded once. The chunks that miss are encoded

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvflow.schemas import ChatMessage
 from kvflow.models.chunked_encode import ChunkCache, chunkable
+from kvflow.models.fast_bpe import fast_bpe
 from kvflow.models.resolve import resolve_model
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HfTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
@@ -46,6 +48,9 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens skipped."""
+
+    def warm(self) -> None:
+        """Prepare encoding now rather than on the first prompt."""
 
 
 def _role_and_content(message: ChatMessage | dict) -> tuple[str, str]:
@@ -77,6 +82,9 @@ class ByteTokenizer:
 
     def _bytes(self, text: str) -> list[int]:
         return [b + self.NUM_SPECIAL for b in text.encode("utf-8")]
+
+    def warm(self) -> None:
+        """Nothing to prepare."""
 
     def encode_prompt(self, text: str) -> list[int]:
         """Byte ids of ``text`` (no BOS), length = UTF-8 byte count."""
@@ -134,7 +142,24 @@ class HfTokenizer:
         self._backend = self._rust_backend()
         self.chunk_cache = ChunkCache() if self._backend is not None and hasattr(self._backend, "encode_batch_fast") \
             and chunkable(self._backend) else None
-        self._bare_specials = self.chunk_cache is not None and self._adds_no_specials()
+        self._bare_specials = self._backend is not None and self._adds_no_specials()
+        self._fast: Any = None
+        self._fast_checked = False
+        self._fast_lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Build what encoding needs (the ``tiktoken`` encoding, ~0.3 s) now
+        rather than on the first prompt."""
+        self._fast_encoding()
+
+    def _fast_encoding(self) -> Any:
+        """The :class:`~kvflow.models.fast_bpe.FastBpe` equal to the backend, or None."""
+        if not self._fast_checked:
+            with self._fast_lock:
+                if not self._fast_checked:
+                    self._fast = fast_bpe(self._backend) if self._backend is not None else None
+                    self._fast_checked = True
+        return self._fast
 
     def _rust_backend(self) -> Any:
         """The ``tokenizers.Tokenizer`` behind a fast tokenizer, when calling it
@@ -164,11 +189,22 @@ class HfTokenizer:
             self._backend.encode(probe, add_special_tokens=False).ids
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        fast = self._fast_encoding()
+        if fast is not None:
+            out = [fast.encode(text) for text in texts]
+            slow = [text for text, ids in zip(texts, out) if ids is None]
+            if not slow:
+                return out
+            again = iter(self._backend.encode_batch_fast(slow, add_special_tokens=False))
+            return [ids if ids is not None else next(again).ids for ids in out]
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.chunk_cache is not None and (not add_special_tokens or self._bare_specials):
+        bare = not add_special_tokens or self._bare_specials
+        if self.chunk_cache is not None and bare:
             return self.chunk_cache.encode(text, self._encode_batch)
+        if bare and (fast := self._fast_encoding()) is not None and (ids := fast.encode(text)) is not None:
+            return ids
         if self._backend is not None:
             fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
             if fast is not None:

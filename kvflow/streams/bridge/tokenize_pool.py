@@ -70,8 +70,9 @@ pool that cannot start does not cost a process start per request."""
 
 INLINE_CHARS = 16_384
 """Prompts of at most this many characters (~4,000 tokens of English, ~5 ms
-of encoding) are encoded in a thread of the bridge's process when no child
-is free, rather than waiting for a child to finish a long prompt."""
+of encoding with ``tokenizers``, ~1.5 with ``tiktoken``) are encoded in a
+thread of the bridge's process when no child is free, rather than waiting
+for a child to finish a long prompt."""
 
 
 class TokenizePoolError(RuntimeError):

@@ -68,6 +68,7 @@ def answer(job: tuple[int, str, str, Any]) -> tuple[int, str, Any, int, int]:
     try:
         tok = load_tokenizer(spec)
         if kind == "warm":
+            tok.warm()
             return job_id, "ok", b"", 0, 0
         hit, miss = chunk_counts(tok) or (0, 0)
         ids = tok.encode_chat(payload) if kind == "chat" else tok.encode_prompt(payload)

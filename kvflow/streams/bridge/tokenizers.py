@@ -53,11 +53,18 @@ class TokenizerCache:
             return tok
         task = self._loading.get(spec)
         if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(self._loader, spec))
+            task = asyncio.ensure_future(asyncio.to_thread(self._load, spec))
             self._loading[spec] = task
             task.add_done_callback(lambda _t, s=spec: self._loading.pop(s, None))
         tok = await asyncio.shield(task)
         self._loaded[spec] = tok
+        return tok
+
+    def _load(self, spec: str) -> Any:
+        tok = self._loader(spec)
+        warm = getattr(tok, "warm", None)  # loaders in tests may return bare tokenizers
+        if warm is not None:
+            warm()
         return tok
 
     def loaded(self) -> dict[str, Any]:
