@@ -203,7 +203,7 @@ class HfTokenizer:
         bare = not add_special_tokens or self._bare_specials
         if self.chunk_cache is not None and bare:
             return self.chunk_cache.encode(text, self._encode_batch)
-        if bare and (fast := self._fast_encoding()) is not None and (ids := fast.encode(text)) is not None:
+        if bare and (quick := self._fast_encoding()) is not None and (ids := quick.encode(text)) is not None:
             return ids
         if self._backend is not None:
             fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
