@@ -77,6 +77,44 @@ def test_long_prompts_and_chats_encode_alike(smollm2):
     assert smollm2.encode_prompt(odd) == _hf(smollm2, [odd])[0]
 
 
+# The split regexes of Llama 3's and Qwen 2's tokenizer.json (their pre-tokenizer: Split on it, then
+# ByteLevel without its own regex), applied here to SmolLM2's vocabulary and merges.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(regex: str, normalizer: dict | None = None):
+    def change(spec):
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+        spec["normalizer"] = normalizer
+    return change
+
+
+@pytest.mark.parametrize("regex, normalizer", [(LLAMA3_SPLIT, None), (QWEN2_SPLIT, {"type": "NFC"})],
+                         ids=["llama3-split", "qwen2-split-nfc"])
+def test_split_regex_tokenizers_encode_alike(smollm2, regex, normalizer):
+    variant = _variant(smollm2, _split_then_bytes(regex, normalizer))
+    fast = fast_bpe(variant)
+    assert fast is not None and fast.check_bytes and fast.nfc == (normalizer is not None)
+    rng = random.Random(13)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 400))) for _ in range(2000)]
+    questions = [turn for line in MTBENCH.read_text().splitlines() for turn in json.loads(line)["turns"]]
+    texts.append(" ".join(rng.choice(questions) for _ in range(300)))
+    want = [e.ids for e in variant.encode_batch_fast(texts, add_special_tokens=False)]
+    got = [fast.encode(t) for t in texts]
+    assert [i for i, (g, w) in enumerate(zip(got, want)) if g is not None and g != w] == []
+    left = [t for t, g in zip(texts, got) if g is None]  # not in NFC (decomposed é): tokenizers encodes them
+    if normalizer is None:
+        assert left == []
+    else:
+        assert left and all("e\u0301" in t for t in left)
+    assert len(want[-1]) > 10_000
+
+
 def _variant(tok: HfTokenizer, change) -> Tokenizer:
     spec = json.loads(tok._backend.to_str())
     change(spec)
@@ -101,7 +139,11 @@ def _nested_added_tokens(spec):
                                  "content": spec["added_tokens"][1]["content"] + "x"})
 
 
-@pytest.mark.parametrize("change", [_swap_two_merges, _lowercase, _prefix_space, _nested_added_tokens])
+def _gaps_split(spec):
+    _split_then_bytes(r"\p{L}+")(spec)  # a regex that leaves digits, spaces and marks out of every piece
+
+
+@pytest.mark.parametrize("change", [_swap_two_merges, _lowercase, _prefix_space, _nested_added_tokens, _gaps_split])
 def test_tokenizers_tiktoken_would_encode_differently_are_left_to_tokenizers(smollm2, change):
     assert fast_bpe(_variant(smollm2, change)) is None
 

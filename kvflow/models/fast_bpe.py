@@ -13,12 +13,15 @@ BPE (Radford et al. 2019, ``encoder.py``): both split the text with the same
 regex, then merge adjacent symbols greedily, lowest rank first, leftmost on
 ties. ``tokenizers`` ranks a pair by its line in the merges list; ``tiktoken``
 ranks it by the id of the merged token, and first looks a whole regex piece up
-in the vocabulary. :func:`tiktoken_encoding` builds an encoding only when those
+in the vocabulary. :func:`fast_bpe` builds an encoding only when those
 coincide, checked on the tokenizer itself:
 
 * the model is BPE without dropout or word prefixes/suffixes; no
-  normalizer; the pre-tokenizer is ``ByteLevel`` with the GPT-2 regex and no
-  prefix space;
+  normalizer but NFC (Qwen 2's), applied by leaving every text that is not
+  already NFC to ``tokenizers``; the pre-tokenizer is ``ByteLevel`` with the GPT-2 regex and no
+  prefix space, or a ``Split`` on a regex (its matches and the text between
+  them as pieces) followed by ``ByteLevel`` without its regex, the form of
+  Llama 3's, Qwen 2's and DeepSeek V3's tokenizers;
 * the merged tokens' ids increase with the merges' order and no two merges
   make the same token, so both rank orders are one order;
 * every token of the vocabulary encodes to itself under the tokenizer's own
@@ -30,6 +33,10 @@ coincide, checked on the tokenizer itself:
   added tokens) to the same ids.
 
 A tokenizer that fails any check is encoded by ``tokenizers`` as before.
+``tiktoken`` keeps only the regex's matches, so with a ``Split`` regex, which
+may leave text between its matches, an encoding that does not hold every
+byte of the text is dropped for ``tokenizers``' (GPT-2's regex matches
+every character).
 Vocabularies may lack the symbols of some bytes (SmolLM2's lacks six control
 characters, the lead bytes of planes 4–11 and the bytes UTF-8 never uses),
 which ``tokenizers`` encodes as its unknown token: a text holding a character
@@ -45,6 +52,7 @@ import json
 import logging
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,15 +89,37 @@ def _byte_symbols() -> dict[str, int]:
     return {symbol: byte for byte, symbol in bytes_to_unicode().items()}
 
 
-def _why_not(spec: dict[str, Any]) -> str | None:
-    """Why a tokenizer described by ``spec`` (its ``tokenizer.json``) is not
-    GPT-2-style byte-level BPE; None when it is."""
-    normalizer = spec.get("normalizer")
-    if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
-        return "it has a normalizer"
+def _split_pattern(spec: dict[str, Any]) -> tuple[str, None] | tuple[None, str]:
+    """(the regex that cuts the text into pieces, None), or (None, why there
+    is none) for a pre-tokenizer other than the two forms of the module docstring."""
     pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-        return "its pre-tokenizer is not ByteLevel with the GPT-2 regex and no prefix space"
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return GPT2_PATTERN, None
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
+        split, level = steps
+        regex = (split.get("pattern") or {}).get("Regex")
+        if isinstance(regex, str) and split.get("behavior") == "Isolated" and not split.get("invert") \
+                and not level.get("use_regex", True) and not level.get("add_prefix_space"):
+            return regex, None
+    return None, "its pre-tokenizer is neither ByteLevel with the GPT-2 regex nor a regex Split then ByteLevel"
+
+
+def _normalizer(spec: dict[str, Any]) -> str | None:
+    """``""`` (none), ``"NFC"``, or None for any other normalizer."""
+    norm = spec.get("normalizer")
+    steps = (norm.get("normalizers") or []) if norm is not None and norm.get("type") == "Sequence" else [norm]
+    kinds = [step.get("type") for step in steps if step is not None]
+    if not kinds:
+        return ""
+    return "NFC" if kinds == ["NFC"] else None
+
+
+def _why_not(spec: dict[str, Any]) -> str | None:
+    """Why the normalizer, model or added tokens of a tokenizer described by
+    ``spec`` (its ``tokenizer.json``) rule ``tiktoken`` out; None when they do not."""
+    if _normalizer(spec) is None:
+        return "it has a normalizer other than NFC"
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("dropout") or model.get("continuing_subword_prefix") \
             or model.get("end_of_word_suffix"):
@@ -112,6 +142,10 @@ class FastBpe:
     """ASCII characters whose byte has no symbol in the vocabulary."""
     unfit_wide: re.Pattern[str] | None = None
     """Matches the other characters (past U+007F) holding a byte without a symbol."""
+    check_bytes: bool = False
+    """Check that the ids hold every byte of the text (a split regex that may skip text)."""
+    nfc: bool = False
+    """The tokenizer normalizes to NFC: only texts already in NFC are encoded here."""
 
     def encode(self, text: str) -> list[int] | None:
         """Ids of ``text`` (shape [tokens]) as the tokenizer's
@@ -121,9 +155,13 @@ class FastBpe:
         # `in` is a memchr per character, and isascii() reads a flag: ~0.1 ms for 500 KB of
         # ASCII, where one regex over the text took 5.
         if any(ch in text for ch in self.unfit_ascii) or (
-                self.unfit_wide is not None and not text.isascii() and self.unfit_wide.search(text)):
+                self.unfit_wide is not None and not text.isascii() and self.unfit_wide.search(text)) or (
+                self.nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text)):
             return None
-        return self.encoding.encode(text, allowed_special="all")
+        ids = self.encoding.encode(text, allowed_special="all")
+        if self.check_bytes and len(self.encoding.decode_bytes(ids)) != len(text.encode("utf-8", "surrogatepass")):
+            return None
+        return ids
 
 
 def fast_bpe(backend: Any) -> FastBpe | None:
@@ -145,9 +183,11 @@ def fast_bpe(backend: Any) -> FastBpe | None:
         return None
     try:
         spec = json.loads(backend.to_str())
-        why = _why_not(spec) or _order_mismatch(spec["model"])
+        pattern, why = _split_pattern(spec)
+        why = why or _why_not(spec) or _order_mismatch(spec["model"])
         if why is None:
-            fast = FastBpe(_build(tiktoken, spec), *_unfit(spec["model"]["vocab"]))
+            fast = FastBpe(_build(tiktoken, spec, pattern), *_unfit(spec["model"]["vocab"]),
+                           check_bytes=pattern != GPT2_PATTERN, nfc=_normalizer(spec) == "NFC")
             why = _self_mismatch(backend, spec) or _probe_mismatch(backend, fast, spec)
     except Exception as exc:  # noqa: BLE001 - any surprise means: use tokenizers
         why = f"{type(exc).__name__}: {exc}"
@@ -202,7 +242,7 @@ def _unfit(vocab: dict[str, int]) -> tuple[tuple[str, ...], re.Pattern[str] | No
     return tuple(ascii_chars), (re.compile(f"[{''.join(ranges)}]") if ranges else None)
 
 
-def _build(tiktoken: Any, spec: dict[str, Any]) -> Any:
+def _build(tiktoken: Any, spec: dict[str, Any], pattern: str) -> Any:
     symbols = _byte_symbols()
     added = {str(tok["content"]): int(tok["id"]) for tok in spec.get("added_tokens") or ()}
     ranks: dict[bytes, int] = {}
@@ -210,7 +250,7 @@ def _build(tiktoken: Any, spec: dict[str, Any]) -> Any:
         if token in added:
             continue
         ranks[bytes(symbols[ch] for ch in token)] = token_id  # KeyError: not byte-level; caller logs it
-    return tiktoken.Encoding(name="kvflow-byte-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+    return tiktoken.Encoding(name="kvflow-byte-bpe", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens=added)
 
 
