@@ -171,7 +171,7 @@ def fast_bpe(backend: Any) -> FastBpe | None:
     when the checks in the module docstring fail, ``tiktoken`` is not
     installed, or :data:`FAST_BPE_ENV` is ``0``.
 
-    Building takes ~0.3 s for a 49k-token vocabulary (the self-encoding
+    Building takes 0.7–1.0 s of CPU for a 49k-token vocabulary (the self-encoding
     check of every token), once per process and tokenizer. Never raises: a
     failure is logged and gives None.
     """

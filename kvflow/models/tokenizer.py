@@ -148,7 +148,7 @@ class HfTokenizer:
         self._fast_lock = threading.Lock()
 
     def warm(self) -> None:
-        """Build what encoding needs (the ``tiktoken`` encoding, ~0.3 s) now
+        """Build what encoding needs (the ``tiktoken`` encoding, 0.7–1.0 s of CPU) now
         rather than on the first prompt."""
         self._fast_encoding()
 
