@@ -194,6 +194,7 @@ def fast_bpe(backend: Any) -> FastBpe | None:
     if why is not None:
         log.info("tokenizer encoded by tokenizers, not tiktoken: %s", why)
         return None
+    log.info("tokenizer encoded by tiktoken (exact: merge order, vocabulary and probe text checked)")
     return fast
 
 
