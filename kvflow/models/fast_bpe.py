@@ -18,10 +18,10 @@ coincide, checked on the tokenizer itself:
 
 * the model is BPE without dropout or word prefixes/suffixes; no
   normalizer but NFC (Qwen 2's), applied by leaving every text that is not
-  already NFC to ``tokenizers``; the pre-tokenizer is ``ByteLevel`` with the GPT-2 regex and no
-  prefix space, or a ``Split`` on a regex (its matches and the text between
-  them as pieces) followed by ``ByteLevel`` without its regex, the form of
-  Llama 3's, Qwen 2's and DeepSeek V3's tokenizers;
+  already NFC to ``tokenizers``; the pre-tokenizer is ``ByteLevel`` with
+  the GPT-2 regex and no prefix space, or one ``Split`` on a regex (its
+  matches and the text between them as pieces) followed by ``ByteLevel``
+  without its regex, the form of Llama 3's and Qwen 2's tokenizers;
 * the merged tokens' ids increase with the merges' order and no two merges
   make the same token, so both rank orders are one order;
 * every token of the vocabulary encodes to itself under the tokenizer's own
